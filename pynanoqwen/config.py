@@ -1,0 +1,180 @@
+"""The Qwen2 model configuration: one dataclass, read from a Hugging Face config.json or a preset.
+
+Every kernel is specialised on these numbers (they become compile-time constants), so this is
+also where we refuse what we do not run: other architectures, RoPE scaling, sizes that the INT4
+group size (128) does not divide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+GROUP_SIZE = 128  # input elements that share one FP16 scale in every INT4 linear layer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = True
+    bos_token_id: int = 151643
+    eos_token_id: int = 151645
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of each per-layer linear, keyed by its HF module name."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "self_attn.q_proj": (self.q_size, h),
+            "self_attn.k_proj": (self.kv_size, h),
+            "self_attn.v_proj": (self.kv_size, h),
+            "self_attn.o_proj": (h, self.q_size),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
+        }
+
+    def validate(self) -> "ModelConfig":
+        positive = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "vocab_size", "max_position_embeddings")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) is not a multiple of "
+                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        for name, (_, k) in self.linear_shapes.items():
+            if k % GROUP_SIZE:
+                raise ConfigError(f"{name} has {k} input features, not a multiple of the "
+                                  f"INT4 group size {GROUP_SIZE}")
+        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
+            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        return self
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type != "qwen2":
+            raise ConfigError(f"model_type {model_type!r} is not supported (only 'qwen2')")
+        if cfg.get("rope_scaling"):
+            raise ConfigError(f"rope_scaling {cfg['rope_scaling']!r} is not implemented; "
+                              "remove it from config.json to run at the native context")
+        if cfg.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true is not implemented")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id", 151645)
+            if isinstance(eos, list):
+                eos = eos[0]
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=True,
+                bos_token_id=int(cfg.get("bos_token_id", 151643) or 0),
+                eos_token_id=int(eos),
+            ).validate()
+        except KeyError as missing:
+            raise ConfigError(f"config.json lacks {missing.args[0]!r}") from None
+        except (TypeError, ValueError) as bad:
+            raise ConfigError(f"config.json has a malformed value: {bad}") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{cfg_path} not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+            raise ConfigError(f"{cfg_path} is not valid JSON: {bad}") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{cfg_path} is not a JSON object")
+        return cls.from_hf_dict(cfg)
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that transformers' Qwen2ForCausalLM reads for this model."""
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_layers,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "rope_scaling": None,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+        }
+
+
+# The real Qwen2.5-Coder shapes (from their config.json files) and a tiny one for tests.
+# `tiny` keeps the 7B's structure (GQA, untied lm_head, QKV bias) at a few MB.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(hidden_size=256, intermediate_size=640, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=64, vocab_size=2048, max_position_embeddings=2048,
+                        bos_token_id=0, eos_token_id=2),
+    "0.5b": ModelConfig(896, 4864, 24, 14, 2, 64, 151936, tie_word_embeddings=True),
+    "1.5b": ModelConfig(1536, 8960, 28, 12, 2, 128, 151936, tie_word_embeddings=True),
+    "3b": ModelConfig(2048, 11008, 36, 16, 2, 128, 151936, tie_word_embeddings=True),
+    "7b": ModelConfig(3584, 18944, 28, 28, 4, 128, 152064),
+    "14b": ModelConfig(5120, 13824, 48, 40, 8, 128, 152064),
+    "32b": ModelConfig(5120, 27648, 64, 40, 8, 128, 152064),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
