@@ -22,3 +22,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# tests/sim runs only inside the child process that test_simulator.py starts with the simulator on.
+collect_ignore = [] if __import__("os").environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["sim"]

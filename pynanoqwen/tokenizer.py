@@ -1,0 +1,165 @@
+"""Text <-> token ids for Qwen2.5: the embedded tokenizer.json, chat and fill-in-the-middle prompts,
+and a streaming detokenizer.
+
+The .nanoqwen file carries the checkpoint's tokenizer.json (a byte-level BPE) and, for Instruct
+models, its Jinja chat template (fileformat.py reads both). Encoding and decoding are the
+`tokenizers` library's; this module adds the three things generation needs around them:
+
+- `Tokenizer.apply_chat_template` renders the embedded template the way transformers does (same
+  sandboxed Jinja environment and globals) and falls back to Qwen2.5-Instruct's ChatML.
+- `Tokenizer.fim_prompt` builds Qwen2.5-Coder's fill-in-the-middle prompt.
+- `StreamDecoder` turns token ids into text as they arrive. A byte-level BPE token is a run of
+  bytes, not of characters: a 4-byte emoji may arrive as two tokens of two bytes each, so the
+  decoder only ever emits text up to the last complete character.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from .errors import FormatError, NanoQwenError
+
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+# Tokens after which a Qwen2.5 model has finished: the end of a document (base models) and the
+# end of an assistant turn (Instruct models). The config's eos_token_id is added to them.
+STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")
+
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+# Qwen2.5-Instruct's template without its tool-calling branches: ChatML turns, and the default
+# system prompt when the conversation does not start with one. Used when the file has no template.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\n" + QWEN_DEFAULT_SYSTEM + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers replaces Jinja's tojson, which HTML-escapes '<' and '>', with plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers' apply_chat_template uses.
+
+    Templates come from downloaded checkpoints, so they run sandboxed (no attribute access to
+    Python internals, no mutation of the data they are given)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                      extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as err:
+        raise FormatError(f"the chat template does not compile: {err}") from None
+
+
+class Tokenizer:
+    """A Qwen2.5 tokenizer: the embedded tokenizer.json plus its chat template and stop tokens."""
+
+    def __init__(self, hf_tokenizer: tokenizers.Tokenizer, chat_template: str | None,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None):
+        self._tok = hf_tokenizer
+        self.has_chat_template = chat_template is not None
+        self._template = _compile_template(chat_template if chat_template is not None else CHATML_TEMPLATE)
+        # The template globals bos_token / eos_token (None when the id has no token, as in HF).
+        self.bos_token = hf_tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = hf_tokenizer.id_to_token(eos_token_id) if eos_token_id is not None else None
+        stops = {self._tok.token_to_id(t) for t in STOP_TOKENS} | {eos_token_id}
+        self.stop_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
+
+    @classmethod
+    def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *,
+                        bos_token_id: int | None = None, eos_token_id: int | None = None) -> "Tokenizer":
+        """Load the tokenizer.json bytes stored in a .nanoqwen file (bos/eos ids come from its config)."""
+        try:
+            hf_tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+        except Exception as err:  # invalid UTF-8, or the Rust parser's bare Exception
+            raise FormatError(f"the embedded tokenizer.json cannot be loaded: {err}") from None
+        return cls(hf_tokenizer, chat_template, bos_token_id, eos_token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
+        ids, as in transformers; nothing is added around the text (Qwen2.5 has no BOS)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included; incomplete UTF-8 at the end becomes U+FFFD."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation ([{"role": ..., "content": ...}]) as the prompt text the model
+        was trained on, ending with the opening of the assistant's turn if asked."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, bos_token=self.bos_token,
+                                         eos_token=self.eos_token)
+        except jinja2.exceptions.TemplateError as err:
+            raise NanoQwenError(f"the chat template failed: {err}") from None
+
+    def fim_prompt(self, prefix: str, suffix: str) -> str:
+        """Qwen2.5-Coder's fill-in-the-middle prompt: the model writes the code between the two."""
+        return f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns token ids into text one token at a time, never splitting a UTF-8 character.
+
+    Decoding the ids seen so far gives U+FFFD for a character whose bytes have not all arrived,
+    and only at the end: bytes already decoded into complete characters never change as more
+    arrive (UTF-8 is self-synchronising). So the text up to the trailing U+FFFD run is final.
+    `pending` holds the ids since the last point where everything decoded was complete, so each
+    step decodes a few tokens, not the whole generation.
+    """
+
+    REPLACEMENT = "\ufffd"
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._pending: list[int] = []
+        self._emitted = 0  # characters of decode(pending) already returned
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly "")."""
+        self._pending.append(token_id)
+        text = self._tokenizer.decode(self._pending)
+        final = text.rstrip(self.REPLACEMENT)
+        new = final[self._emitted:]
+        if len(final) == len(text):
+            self._pending.clear()
+            self._emitted = 0
+        else:
+            self._emitted = len(final)
+        return new
+
+    def flush(self) -> str:
+        """The rest: characters left incomplete at the end of the generation come out as U+FFFD."""
+        rest = self._tokenizer.decode(self._pending)[self._emitted:]
+        self._pending.clear()
+        self._emitted = 0
+        return rest

@@ -1,0 +1,266 @@
+"""The tokenizer module: encoding with special tokens, chat templates against transformers'
+rendering, FIM prompts, stop ids, and the streaming decoder at every UTF-8 byte boundary."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from pynanoqwen.checkpoint import QWEN25_CHAT_TEMPLATE
+from pynanoqwen.errors import FormatError, NanoQwenError
+from pynanoqwen.tokenizer import QWEN_DEFAULT_SYSTEM, StreamDecoder, Tokenizer
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+           "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+TRAINING_TEXT = ["def hello(name):\n    return f'hello {name}'\n", "世界你好，中文文本。", "emoji 🙂🚀 café naïve",
+                 "for i in range(10):\n    print(i)\n"]
+MIXED_TEXT = "héllo 世界 🙂🚀 ok\n中文😀x"
+
+
+def byte_level_backend() -> HFTokenizer:
+    """A byte-level BPE trained on a few strings, with Qwen2.5's special tokens at ids 0..8."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    return tok
+
+
+def gpt2_byte_to_char() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_TO_CHAR = gpt2_byte_to_char()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return byte_level_backend()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(backend):
+    return Tokenizer.from_json_bytes(backend.to_str().encode(), None, bos_token_id=0, eos_token_id=2)
+
+
+def test_encode_decode_round_trip_and_special_tokens(tokenizer):
+    for text in ["def hello(name):", MIXED_TEXT, "naïve café\r\n\tx"]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    ids = tokenizer.encode("<|im_start|>user\nhi 世界<|im_end|>\n")
+    assert ids[0] == 1 and 2 in ids
+    assert ids[ids.index(2) + 1:] == tokenizer.encode("\n")
+    # Nothing is added around the text (Qwen2.5 has no BOS): decode, which keeps special tokens,
+    # gives back exactly the input.
+    assert tokenizer.decode(tokenizer.encode("hello")) == "hello"
+    assert all(i >= len(SPECIAL) for i in tokenizer.encode("hello"))
+
+
+def test_stop_ids_are_endoftext_im_end_and_the_config_eos(backend):
+    json_bytes = backend.to_str().encode()
+    assert Tokenizer.from_json_bytes(json_bytes, None).stop_ids == {0, 2}
+    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=7).stop_ids == {0, 2, 7}
+
+
+def test_a_broken_tokenizer_json_is_a_format_error():
+    with pytest.raises(FormatError, match="tokenizer.json"):
+        Tokenizer.from_json_bytes(b'{"version": "1.0", "model": 5}', None)
+    with pytest.raises(FormatError, match="tokenizer.json"):
+        Tokenizer.from_json_bytes(b"\xff\xfe", None)
+
+
+def test_fallback_chatml_adds_qwen_default_system_prompt(tokenizer):
+    assert not tokenizer.has_chat_template
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi 世界"}])
+    assert text == (f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
+                    "<|im_start|>user\nHi 世界<|im_end|>\n<|im_start|>assistant\n")
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Q1"},
+                                          {"role": "assistant", "content": "A1"},
+                                          {"role": "user", "content": "Q2"}], add_generation_prompt=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
+                    "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n")
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write quicksort in Python."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "Q1 🙂"}, {"role": "assistant", "content": "A1 世界"},
+     {"role": "user", "content": "Q2\nwith lines"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+     {"role": "system", "content": "a later system turn"}, {"role": "user", "content": "U2"}],
+]
+
+
+def transformers_render(backend, template, messages, add_generation_prompt, **special):
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **special)
+    return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_embedded_qwen25_template_and_fallback_match_transformers(backend, add_generation_prompt):
+    embedded = Tokenizer(backend, QWEN25_CHAT_TEMPLATE, eos_token_id=2)
+    fallback = Tokenizer(backend, None, eos_token_id=2)
+    assert embedded.has_chat_template
+    for messages in CONVERSATIONS:
+        expected = transformers_render(backend, QWEN25_CHAT_TEMPLATE, messages, add_generation_prompt,
+                                       eos_token="<|im_end|>")
+        assert embedded.apply_chat_template(messages, add_generation_prompt) == expected
+        # The built-in ChatML is the real template's tool-free path, so it renders the same text.
+        assert fallback.apply_chat_template(messages, add_generation_prompt) == expected
+
+
+# Uses what HF templates rely on beyond plain loops: bos/eos globals, tojson (no HTML escaping),
+# loop controls, namespace-free whitespace control, and raise_exception.
+FEATURE_TEMPLATE = """\
+{{ bos_token }}
+{% for message in messages %}
+    {% if message['role'] not in ['user', 'assistant'] %}
+        {{ raise_exception('roles must be user or assistant, got ' + message['role']) }}
+    {% endif %}
+    {% if loop.index > 3 %}{% break %}{% endif %}
+    [{{ message['role'] }}] {{ message['content'] | tojson }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}[assistant]{% endif %}
+"""
+
+
+def test_template_globals_filters_and_whitespace_match_transformers(backend):
+    tok = Tokenizer(backend, FEATURE_TEMPLATE, bos_token_id=0, eos_token_id=2)
+    messages = [{"role": "user", "content": "<tag> & \"quotes\" 世界"}, {"role": "assistant", "content": "a"},
+                {"role": "user", "content": "b"}, {"role": "assistant", "content": "cut by break"}]
+    expected = transformers_render(backend, FEATURE_TEMPLATE, messages, True,
+                                   bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    assert tok.apply_chat_template(messages) == expected
+    assert "<tag>" in expected and "cut by break" not in expected
+    with pytest.raises(NanoQwenError, match="roles must be user or assistant, got tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_templates_run_sandboxed(backend):
+    mutating = Tokenizer(backend, "{{ messages.append(1) }}")
+    with pytest.raises(NanoQwenError, match="chat template failed"):
+        mutating.apply_chat_template([{"role": "user", "content": "x"}])
+    escaping = Tokenizer(backend, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(NanoQwenError, match="chat template failed"):
+        escaping.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(FormatError, match="does not compile"):
+        Tokenizer(backend, "{% for m in messages %}")
+
+
+def test_fim_prompt(tokenizer):
+    prompt = tokenizer.fim_prompt("def add(a, b):\n", "\n    return c\n")
+    assert prompt == "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c\n<|fim_middle|>"
+    ids = tokenizer.encode(prompt)
+    fim_prefix, fim_suffix, fim_middle = (tokenizer.token_to_id(t) for t in
+                                          ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    assert ids[0] == fim_prefix and ids[-1] == fim_middle
+    split = ids.index(fim_suffix)
+    assert tokenizer.decode(ids[1:split]) == "def add(a, b):\n"
+    assert tokenizer.decode(ids[split + 1:-1]) == "\n    return c\n"
+
+
+def complete_prefix(data: bytes) -> str:
+    """The characters whose bytes have all arrived (data is a prefix of valid UTF-8)."""
+    return data.decode("utf-8", errors="ignore")
+
+
+def tokenizer_with_pieces(pieces: list[bytes]) -> Tokenizer:
+    """A byte-level tokenizer whose vocabulary is exactly `pieces` (ids in order), for driving the
+    stream decoder with chosen byte splits; encoding is never used, so it needs no merges."""
+    vocab = {}
+    for piece in pieces:
+        vocab.setdefault("".join(BYTE_TO_CHAR[b] for b in piece), len(vocab))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    return Tokenizer(tok, None)
+
+
+def check_stream(tokenizer: Tokenizer, ids: list[int], token_bytes: list[bytes]) -> None:
+    """Push ids one at a time; after each push the output is exactly the complete characters."""
+    decoder = StreamDecoder(tokenizer)
+    out, data = "", b""
+    for token_id, piece in zip(ids, token_bytes):
+        out += decoder.push(token_id)
+        data += piece
+        assert out == complete_prefix(data)
+    out += decoder.flush()
+    assert out == data.decode("utf-8")
+
+
+@pytest.mark.parametrize("text", [MIXED_TEXT, "🙂", "世", "é", "a🚀b", "日本語のテキスト"])
+def test_stream_decoder_one_byte_per_token(backend, tokenizer, text):
+    data = text.encode("utf-8")
+    ids = [backend.token_to_id(BYTE_TO_CHAR[b]) for b in data]
+    check_stream(tokenizer, ids, [bytes([b]) for b in data])
+
+
+def test_stream_decoder_on_trained_merges(backend, tokenizer):
+    split_tokens = 0
+    for text in [MIXED_TEXT, "世界你好，中文文本。emoji 🙂🚀 café", "🙂🙂🙂🚀🚀", "日本語"]:
+        ids = tokenizer.encode(text)
+        pieces = [bytes(tokenizer_bytes(backend, i)) for i in ids]
+        split_tokens += sum(not _is_whole_chars(p) for p in pieces)
+        check_stream(tokenizer, ids, pieces)
+    # The trained merges cut characters ("ðŁ" + "ĻĤ" is 🙂 in two tokens): the case that matters.
+    assert split_tokens >= 4
+
+
+def tokenizer_bytes(backend, token_id: int) -> list[int]:
+    char_to_byte = {c: b for b, c in BYTE_TO_CHAR.items()}
+    return [char_to_byte[c] for c in backend.id_to_token(token_id)]
+
+
+def _is_whole_chars(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab \né世界中🙂🚀😀ß\u00a0")), min_size=1, max_size=12),
+       cuts=st.lists(st.integers(min_value=1, max_value=60), max_size=20))
+def test_stream_decoder_at_arbitrary_byte_splits(text, cuts):
+    data = text.encode("utf-8")
+    bounds = sorted({c for c in cuts if c < len(data)} | {0, len(data)})
+    pieces = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    tokenizer = tokenizer_with_pieces(pieces)
+    ids = [tokenizer.token_to_id("".join(BYTE_TO_CHAR[b] for b in p)) for p in pieces]
+    check_stream(tokenizer, ids, pieces)
+
+
+def test_stream_decoder_special_tokens_and_flush(backend, tokenizer):
+    decoder = tokenizer.stream_decoder()
+    assert decoder.push(tokenizer.token_to_id("<|fim_pad|>")) == "<|fim_pad|>"
+    emoji = "🙂".encode()
+    first_half = [backend.token_to_id(BYTE_TO_CHAR[b]) for b in emoji[:2]]
+    assert decoder.push(first_half[0]) == "" and decoder.push(first_half[1]) == ""
+    # A character cut off by the end of the generation comes out as replacement characters.
+    rest = decoder.flush()
+    assert rest and set(rest) == {"\ufffd"}
+    assert decoder.flush() == ""
+
+
+def test_stream_decoder_holds_a_real_replacement_character_until_it_is_final():
+    pieces = ["a".encode(), "\ufffd".encode(), "b".encode()]
+    tokenizer = tokenizer_with_pieces(pieces)
+    decoder = tokenizer.stream_decoder()
+    assert decoder.push(0) == "a"
+    assert decoder.push(1) == ""  # it could still be a character whose bytes are arriving
+    assert decoder.push(2) == "\ufffdb"
+    assert decoder.push(1) == "" and decoder.flush() == "\ufffd"
