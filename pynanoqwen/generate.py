@@ -1,0 +1,252 @@
+"""`python -m pynanoqwen generate`: prompt text -> token ids -> a backend -> streamed text.
+
+A backend owns a loaded model and turns prompt ids into new token ids (`Backend` below). There
+are two: `CpuBackend` here, over the numpy reference model (reference.py) and the numpy sampler
+(sampling.py), and `CudaBackend` in engine.py, which runs the INT4 kernels and samples on the GPU.
+Everything around the backend is shared and lives here: building the prompt (raw, ChatML chat or
+fill-in-the-middle), refusing what cannot run, streaming the text, and the timing summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from .errors import NanoQwenError
+from .fileformat import NanoQwenFile
+from .sampling import SamplingParams, sample
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_CONTEXT = 32768
+DEFAULT_MAX_NEW_TOKENS = 256
+GEMV_VARIANTS = ("prmt", "dp4a")
+
+
+class Backend(Protocol):
+    """What `generate` needs from a loaded model, on any device.
+
+    `generate` resets the backend's KV cache, runs the prompt, then yields one sampled token id
+    at a time, as soon as it is known. It yields at most `max_new_tokens` ids and stops right
+    after yielding an id in `stop_ids` (that id is yielded, so the caller can tell why it stopped).
+    The caller guarantees len(prompt_ids) + max_new_tokens <= max_context and params.validate().
+    Sampling is seeded once per call from params.seed: the same call gives the same tokens.
+    load_backend builds one: CpuBackend(ReferenceModel(file)), or for the GPU
+    engine.CudaBackend(model_path, max_context=..., gemv="prmt"|"dp4a", eager=bool).
+    """
+
+    name: str  # starts the summary line, e.g. "cpu (numpy reference)"
+    max_context: int  # positions the KV cache holds: prompt plus generated tokens
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Iterator[int]: ...
+
+
+class CpuBackend:
+    """The numpy reference model with the numpy sampler: slow, the oracle the GPU engine is
+    tested against, and runs anywhere."""
+
+    name = "cpu (numpy reference)"
+
+    def __init__(self, model):
+        self.model = model  # a reference.ReferenceModel, or anything with its forward/reset
+        self.max_context = model.max_context
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Iterator[int]:
+        self.model.reset()
+        rng = np.random.default_rng(params.seed)
+        logits = self.model.forward(prompt_ids, last_only=True)[-1]
+        for step in range(max_new_tokens):
+            token = sample(logits, params, rng)
+            yield token
+            if token in stop_ids or step + 1 == max_new_tokens:
+                return
+            logits = self.model.forward([token])[-1]
+
+
+def cuda_gpu_available() -> bool:
+    """Whether a CUDA GPU the engine can use (compute capability 9.0 or newer) is present."""
+    try:
+        from numba import config, cuda
+        from numba.cuda.cudadrv.error import CudaSupportError
+
+        # The simulator reports a device, but the engine's inline PTX cannot run on it.
+        if config.ENABLE_CUDASIM:
+            return False
+        try:
+            return bool(cuda.is_available()) and cuda.get_current_device().compute_capability >= (9, 0)
+        except CudaSupportError:
+            return False
+    except ImportError:  # numba-cuda or its CUDA libraries are not installed
+        return False
+
+
+def load_backend(model_path, device: str, max_context: int, gemv: str = "prmt",
+                 eager: bool = False) -> Backend:
+    """Load the model in `model_path` for `device` ("cpu" or "cuda") with room for
+    `max_context` positions. `gemv` (INT4 unpack variant) and `eager` (no CUDA graph) only
+    matter on the GPU."""
+    if device == "cpu":
+        from .reference import ReferenceModel
+
+        # The model reads its weights from the file's mmap as it runs, so the file stays open.
+        return CpuBackend(ReferenceModel(NanoQwenFile(model_path), max_context=max_context))
+    if device == "cuda":
+        if not cuda_gpu_available():
+            raise NanoQwenError("no CUDA GPU found; use --device cpu")
+        try:
+            from .engine import CudaBackend
+        except ImportError as err:
+            raise NanoQwenError(f"the GPU engine cannot be loaded ({err}); use --device cpu") from None
+        return CudaBackend(model_path, max_context=max_context, gemv=gemv, eager=eager)
+    raise NanoQwenError(f"--device must be cuda or cpu, got {device!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """Everything `python -m pynanoqwen generate` takes, as typed by the user."""
+
+    prompt: str
+    model: str | None = None
+    device: str | None = None  # None: cuda if a GPU is present, else cpu
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    sampling: SamplingParams = SamplingParams()
+    chat: bool = False
+    system: str | None = None
+    fim_suffix: str | None = None
+    max_context: int = DEFAULT_MAX_CONTEXT
+    gemv: str = "prmt"
+    eager: bool = False
+
+    def validate(self) -> "GenerateOptions":
+        self.sampling.validate()
+        if self.max_new_tokens < 1:
+            raise NanoQwenError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_context < 2:
+            raise NanoQwenError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.gemv not in GEMV_VARIANTS:
+            raise NanoQwenError(f"--gemv must be one of {', '.join(GEMV_VARIANTS)}, got {self.gemv!r}")
+        if self.system is not None and not self.chat:
+            raise NanoQwenError("--system needs --chat")
+        if self.fim_suffix is not None and self.chat:
+            raise NanoQwenError("--fim-suffix builds a fill-in-the-middle prompt; it cannot be used with --chat")
+        if not self.prompt.strip() and not (self.fim_suffix or "").strip():
+            raise NanoQwenError("the prompt is empty")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]  # generated ids, the stop token included when there was one
+    text: str  # what was streamed: the decoded tokens without the stop token
+    stop_reason: str  # "stop token", "max-new-tokens" or "context full"
+    time_to_first_token_s: float
+    total_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second after the first (which includes the prompt's prefill)."""
+        decode_s = self.total_s - self.time_to_first_token_s
+        return (len(self.tokens) - 1) / decode_s if len(self.tokens) > 1 and decode_s > 0 else None
+
+    def summary(self) -> str:
+        rate = self.decode_tokens_per_s
+        return (f"{self.prompt_tokens} prompt tokens, {len(self.tokens)} generated ({self.stop_reason}); "
+                f"time to first token {1000 * self.time_to_first_token_s:.1f} ms; "
+                + (f"{rate:.2f} tokens/s" if rate is not None else "tokens/s n/a (one token)"))
+
+
+def build_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool, system: str | None,
+                 fim_suffix: str | None) -> str:
+    """The text the model sees: the prompt itself, a ChatML conversation, or a FIM prompt."""
+    if fim_suffix is not None:
+        return tokenizer.fim_prompt(prompt, fim_suffix)
+    if chat:
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def check_fits(prompt_tokens: int, max_context: int) -> None:
+    if prompt_tokens + 1 > max_context:
+        raise NanoQwenError(f"the prompt is {prompt_tokens} tokens, which leaves no room to generate in a "
+                            f"context of {max_context} tokens (at most {max_context - 1} prompt tokens)")
+
+
+def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+             max_new_tokens: int, on_text: Callable[[str], None]) -> GenerationResult:
+    """Run one generation, calling `on_text` with each piece of finished text as it arrives."""
+    check_fits(len(prompt_ids), backend.max_context)
+    budget = min(max_new_tokens, backend.max_context - len(prompt_ids))
+    stop_ids = tokenizer.stop_ids
+    decoder = tokenizer.stream_decoder()
+    tokens: list[int] = []
+    pieces: list[str] = []
+    start = time.perf_counter()
+    first = None
+    for token in backend.generate(prompt_ids, params, budget, stop_ids):
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(token)
+        if token in stop_ids:
+            break
+        piece = decoder.push(token)
+        if piece:
+            pieces.append(piece)
+            on_text(piece)
+    end = time.perf_counter()
+    rest = decoder.flush()
+    if rest:
+        pieces.append(rest)
+        on_text(rest)
+    if tokens and tokens[-1] in stop_ids:
+        reason = "stop token"
+    else:
+        reason = "max-new-tokens" if len(tokens) == max_new_tokens else "context full"
+    return GenerationResult(len(prompt_ids), tokens, "".join(pieces), reason,
+                            (first if first is not None else end) - start, end - start)
+
+
+def resolve_model(model: str | None) -> Path:
+    """The model file to run: --model, which is required until a default model is shipped."""
+    if model is None:
+        raise NanoQwenError("--model FILE is required")
+    return Path(model)
+
+
+def resolve_device(device: str | None, on_status: Callable[[str], None]) -> str:
+    if device is not None:
+        return device
+    device = "cuda" if cuda_gpu_available() else "cpu"
+    on_status(f"device: {device} ({'a CUDA GPU was found' if device == 'cuda' else 'no CUDA GPU found'}; "
+              "pass --device to choose)")
+    return device
+
+
+def run(options: GenerateOptions, on_text: Callable[[str], None],
+        on_status: Callable[[str], None]) -> GenerationResult:
+    """The `generate` command: check everything cheap first, then load the model and stream."""
+    options.validate()
+    model_path = resolve_model(options.model)
+    with NanoQwenFile(model_path, verify_data=False) as f:
+        config = f.config
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template,
+                                              bos_token_id=config.bos_token_id,
+                                              eos_token_id=config.eos_token_id)
+    max_context = min(options.max_context, config.max_position_embeddings)
+    prompt_ids = tokenizer.encode(build_prompt(tokenizer, options.prompt, chat=options.chat,
+                                               system=options.system, fim_suffix=options.fim_suffix))
+    check_fits(len(prompt_ids), max_context)
+    device = resolve_device(options.device, on_status)
+    backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
+    result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
+    on_text("\n")
+    on_status(f"{backend.name}: {result.summary()}")
+    return result
