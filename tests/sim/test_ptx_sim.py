@@ -1,0 +1,65 @@
+"""The PTX primitives' simulator twins inside kernels: warp shuffles and reductions (per-warp
+exchange between simulated threads) and the GEMV's unpack-and-dot step, on fresh random inputs."""
+
+import numpy as np
+import pytest
+from numba import cuda, uint32
+
+from pynanoqwen import quant
+from pynanoqwen.kernels.gemv_int4 import dot8_prmt
+from pynanoqwen.ptx import SIMULATOR
+from pynanoqwen.ptx.half2 import half2_to_float2
+from pynanoqwen.ptx.warp import shfl_xor, warp_max, warp_sum
+
+assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_simulator.py)"
+
+
+@cuda.jit
+def reduce_per_warp(values, sums, maxima, swapped):
+    i = cuda.grid(1)
+    sums[i] = warp_sum(values[i])
+    maxima[i] = warp_max(values[i])
+    swapped[i] = shfl_xor(uint32(i), uint32(5))
+
+
+def test_warp_reductions_and_shuffle():
+    rng = np.random.default_rng()
+    values = rng.standard_normal(64).astype(np.float32)  # two warps, reduced separately
+    sums, maxima = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    swapped = np.zeros(64, np.uint32)
+    reduce_per_warp[1, 64](values, sums, maxima, swapped)
+    for warp in (slice(0, 32), slice(32, 64)):
+        # Butterfly order, as the GPU adds: every lane ends with the same float32 bits.
+        expected = values[warp].copy()
+        for mask in (16, 8, 4, 2, 1):
+            expected = expected + expected[np.arange(32) ^ mask]
+        assert np.array_equal(sums[warp], expected)
+        assert abs(float(sums[warp][0]) - values[warp].astype(np.float64).sum()) < 1e-5
+        assert np.all(maxima[warp] == values[warp].max())
+    assert np.array_equal(swapped, np.arange(64) ^ 5)
+
+
+@cuda.jit
+def shuffle_in_partial_warp(out):
+    i = cuda.grid(1)
+    out[i] = shfl_xor(uint32(i), uint32(16))
+
+
+def test_shuffle_from_missing_lane_raises():
+    # 48 threads: the second warp has lanes 0..15 only, so lane 0 reading lane 16 is a bug.
+    with pytest.raises(RuntimeError, match="does not have"):
+        shuffle_in_partial_warp[1, 48](np.zeros(48, np.uint32))
+
+
+def test_dot8_prmt_matches_the_unpack_reference():
+    rng = np.random.default_rng()
+    for _ in range(40):
+        word = rng.integers(0, 2**32, dtype=np.uint32)
+        x = (rng.integers(-32, 33, size=8) / 16).astype(np.float16)  # sums stay exact in FP16
+        acc0 = (rng.integers(-32, 33, size=2) / 16).astype(np.float16)
+        pairs = x.view(np.uint32)
+        acc = dot8_prmt(word, *pairs, acc0.view(np.uint32)[0])
+        lo, hi = half2_to_float2(acc)
+        codes = quant.unpack_prmt_reference(np.array([word]))[0].astype(np.float64)
+        assert lo == acc0[0] + codes[0::2] @ x[0::2].astype(np.float64)  # lane 0: even inputs
+        assert hi == acc0[1] + codes[1::2] @ x[1::2].astype(np.float64)  # lane 1: odd inputs
