@@ -1,0 +1,140 @@
+"""Both INT4 GEMV paths, every epilogue and the fused gate/up, under the CUDA simulator at tiny
+sizes, against float64 numpy (quant.dequantize_int4) on fresh random inputs.
+
+Tolerances, derived rather than tuned (u16 = 2^-11, u32 = 2^-24 unit roundoffs):
+- "exact" activations x = m/8 with |m| <= 8: every product w*x is a multiple of 1/8 of magnitude
+  <= 7 and one lane's FP16 accumulator sums 16 of them per half, so it stays below 112 with 1/8
+  resolution: exact in FP16 (11 bits). Only float32 rounding remains: scale multiply, the lane's
+  running sum over its K/32/32 chunks, 5 warp_sum steps, bias: at most K/32 + 8 roundings, each
+  <= u32 * sum |s w x|. This is the test that catches any layout or unpack mistake.
+- Gaussian FP16 activations on the prmt path: each of the 16 FP16 FMAs of a half-accumulator
+  rounds by at most u16 of a partial sum <= the sum of |s w x| it covers, so |error| <=
+  16 u16 * sum |s w x| (plus the float32 term above).
+- dp4a: the integer dot is exact, so against the quantized activations the float32 bound holds; against
+  x itself each input adds |s w| * (x_scale/2 + 2^-22 |x|) (quantize_activation.py's rounding).
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pynanoqwen.kernels.gemv_int4 import make_gate_up_silu, make_gemv_int4
+from pynanoqwen.ptx import SIMULATOR
+from pynanoqwen.quant import dequantize_int4, quantize_int4
+
+assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_simulator.py)"
+
+U16, U32 = 2.0**-11, 2.0**-24
+
+
+def random_linear(rng, n, k):
+    qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
+    return qweight, scales, dequantize_int4(qweight, scales, np.float64)
+
+
+def exact_activations(rng, k):
+    return (rng.integers(-8, 9, size=k) / 8).astype(np.float16)
+
+
+def float32_bound(w, x, k):
+    return (k // 32 + 8) * U32 * (np.abs(w) @ np.abs(x.astype(np.float64)))
+
+
+def run(gemv, x, out, **epilogue):
+    out_device = cuda.to_device(out)
+    gemv.launch(0, cuda.to_device(x), out_device, **epilogue)
+    return out_device.copy_to_host()
+
+
+def dequantized_activations(gemv, k):
+    """x as the dp4a GEMV saw it: its INT8 workspace decoded back to input order, times the scale."""
+    int8 = gemv._launcher.int8
+    chunks = k // 32
+    words = int8.xq.copy_to_host().reshape(8, chunks)  # word j of chunk c at [j, c]
+    q = words.T.copy().view(np.int8).reshape(chunks, 4, 2, 4)  # chunk, octet, A/B, byte
+    octets = np.empty((chunks, 4, 8), np.int64)
+    octets[:, :, [0, 1, 4, 5]] = q[:, :, 0]
+    octets[:, :, [2, 3, 6, 7]] = q[:, :, 1]
+    q = octets.reshape(k)
+    scale = int8.scale.copy_to_host()
+    offsets = int8.offset.copy_to_host()
+    assert np.array_equal(offsets, 8 * q.reshape(chunks, 32).sum(axis=1))
+    return q * np.repeat(scale.astype(np.float64), 128), scale
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("n, k, rows, epilogue", [
+    (16, 256, 4, "plain"),      # 4 warps with rows, 4 of the block's 8 exit early
+    (24, 384, 2, "bias"),       # K/32 = 12 chunks: lanes 12..31 idle; 2 blocks
+    (16, 1152, 1, "residual"),  # out += W x; 36 chunks: lanes 0..3 take 2 steps (prefetch)
+    (16, 384, 2, "float16"),    # out_dtype float16
+])
+def test_gemv_exact_activations(path, n, k, rows, epilogue):
+    rng = np.random.default_rng()
+    qweight, scales, w = random_linear(rng, n, k)
+    x = exact_activations(rng, k)
+    bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+    out = rng.standard_normal(n).astype(np.float32)  # fresh contents: residual adds to them
+    out_dtype = "float16" if epilogue == "float16" else "float32"
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, rows_per_warp=rows)
+    y = run(gemv, x, out.astype(out_dtype), residual=epilogue == "residual")
+    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
+    expected = w @ x_used
+    bound = float32_bound(w, x_used, k)
+    if epilogue == "bias":
+        expected += bias
+    if epilogue == "residual":
+        expected += out
+        bound += U32 * np.abs(expected)
+    if epilogue == "float16":
+        bound += U16 * np.abs(expected)  # the final rounding to FP16
+    assert np.all(np.abs(y - expected) <= bound)
+
+
+def test_prmt_gaussian_activations_within_fp16_accumulation_bound():
+    rng = np.random.default_rng()
+    n, k = 16, 2176  # 68 chunks: lanes 0..3 take 3 steps
+    qweight, scales, w = random_linear(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", rows_per_warp=4)
+    y = run(gemv, x, np.zeros(n, np.float32))
+    magnitude = np.abs(w) @ np.abs(x.astype(np.float64))
+    error = np.abs(y - w @ x.astype(np.float64))
+    assert np.all(error <= 16 * U16 * magnitude + float32_bound(w, x, k))
+
+
+def test_dp4a_gaussian_activations_within_int8_rounding_bound():
+    rng = np.random.default_rng()
+    n, k = 16, 256
+    qweight, scales, w = random_linear(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="dp4a", rows_per_warp=2)
+    y = run(gemv, x, np.zeros(n, np.float32))
+    x_used, x_scale = dequantized_activations(gemv, k)
+    x64 = x.astype(np.float64)
+    groups = x64.reshape(-1, 128)
+    assert np.array_equal(x_scale, (np.abs(groups).max(axis=1).astype(np.float32) / np.float32(127)))
+    rounding = np.repeat(x_scale.astype(np.float64), 128) / 2 + 2.0**-22 * np.abs(x64)
+    assert np.all(np.abs(x_used - x64) <= rounding)
+    bound = np.abs(w) @ rounding + float32_bound(w, x_used, k)
+    assert np.all(np.abs(y - w @ x64) <= bound)
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_gate_up_silu(path):
+    rng = np.random.default_rng()
+    n, k = 16, 1152
+    gate_q, gate_s, wg = random_linear(rng, n, k)
+    up_q, up_s, wu = random_linear(rng, n, k)
+    x = exact_activations(rng, k)
+    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=2)
+    y = run(mlp, x, np.zeros(n, np.float16)).astype(np.float64)
+    x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else x.astype(np.float64)
+    g, u = wg @ x_used, wu @ x_used
+    silu = g / (1 + np.exp(-g))
+    expected = silu * u
+    # FP16 output rounding, plus the float32 errors of g and u carried through silu (slope <= 1.1)
+    # and the product, plus float32 exp/divide/multiply (a few u32 of the result).
+    bound = (U16 + 8 * U32) * np.abs(expected) + 1.1 * np.abs(u) * float32_bound(wg, x_used, k) \
+        + np.abs(silu) * float32_bound(wu, x_used, k)
+    assert np.all(np.abs(y - expected) <= bound)

@@ -1,0 +1,168 @@
+"""INT4 GEMV on the GPU: both paths at every 7B linear shape against float64 numpy on fresh random
+weights and activations, and the bandwidth each reaches (run with -s to see it).
+
+Tolerances are the bounds derived in tests/sim/test_gemv_sim.py (u16 = 2^-11, u32 = 2^-24):
+prmt |error| <= 16 u16 sum|s w x| (FP16 accumulation over one lane's 16 products per half) plus
+(K/32 + 8) u32 sum|s w x| (float32); dp4a sum |s w| (x_scale/2 + 2^-22 |x|) (INT8 activations)
+plus the same float32 term. Set PYNANOQWEN_GEMV_SWEEP=1 to time every rows-per-warp choice too.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from pynanoqwen.kernels.gemv_int4 import default_rows_per_warp, gemv_bytes, make_gate_up_silu, make_gemv_int4
+from pynanoqwen.quant import dequantize_int4
+
+pytestmark = pytest.mark.gpu
+
+U16, U32 = 2.0**-11, 2.0**-24
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
+ROOFLINE = 4.3e12  # bytes/s, H200 with 16-byte loads (../shared/GPU-NOTES.md)
+L2_BYTES = 60 * 2**20
+
+
+def random_int4(rng, n, k):
+    """Random packed words (all 16 nibble values) and signed FP16 scales of a typical size."""
+    qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = (rng.uniform(0.005, 0.02, size=(n, k // 128)) * rng.choice([-1, 1], size=(n, k // 128)))
+    return qweight, scales.astype(np.float16)
+
+
+def reference(qweight, scales, x64, *, rows_per_block=4096):
+    """(W x, |W| |x|, |W| r) in float64, with r the dp4a path's per-input rounding bound
+    (x_scale/2 + 2^-22 |x|), dequantizing a block of rows at a time (lm_head is 545M weights)."""
+    x_scale = np.abs(x64.reshape(-1, 128)).max(axis=1).astype(np.float32) / np.float32(127)
+    rounding = np.repeat(x_scale.astype(np.float64), 128) / 2 + 2.0**-22 * np.abs(x64)
+    n = qweight.shape[0]
+    y, magnitude, rounding_term = np.empty(n), np.empty(n), np.empty(n)
+    for first in range(0, n, rows_per_block):
+        rows = slice(first, first + rows_per_block)
+        w = dequantize_int4(qweight[rows], scales[rows], np.float64)
+        y[rows] = w @ x64
+        magnitude[rows] = np.abs(w) @ np.abs(x64)
+        rounding_term[rows] = np.abs(w) @ rounding
+    return y, magnitude, rounding_term
+
+
+def error_bound(path, magnitude, rounding_term, k):
+    float32_part = (k // 32 + 8) * U32 * magnitude
+    return float32_part + (16 * U16 * magnitude if path == "prmt" else rounding_term)
+
+
+def run_gemv(gemv, x, out, **epilogue):
+    from numba import cuda
+
+    stream = cuda.stream()
+    out_device = cuda.to_device(out, stream=stream)
+    gemv.launch(stream, cuda.to_device(x, stream=stream), out_device, **epilogue)
+    result = out_device.copy_to_host(stream=stream)
+    stream.synchronize()
+    return result
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("name, n, k, epilogue", [
+    ("qkv", QKV, HIDDEN, "bias"),
+    ("o_proj", HIDDEN, HIDDEN, "residual"),
+    ("down_proj", HIDDEN, INTERMEDIATE, "residual"),
+    ("lm_head", VOCAB, HIDDEN, "plain"),
+])
+def test_gemv_7b_shapes(path, name, n, k, epilogue):
+    rng = np.random.default_rng()
+    qweight, scales = random_int4(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    x64 = x.astype(np.float64)
+    bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+    out = rng.standard_normal(n).astype(np.float32)
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias)
+    y = run_gemv(gemv, x, out, residual=epilogue == "residual")
+    expected, magnitude, rounding_term = reference(qweight, scales, x64)
+    bound = error_bound(path, magnitude, rounding_term, k)
+    if bias is not None:
+        expected += bias
+    if epilogue == "residual":
+        expected += out
+        bound += U32 * np.abs(expected)
+    worst = np.argmax(np.abs(y - expected) / bound)
+    assert np.all(np.abs(y - expected) <= bound), (name, worst, y[worst], expected[worst], bound[worst])
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_gate_up_silu_7b_shape(path):
+    rng = np.random.default_rng()
+    n, k = INTERMEDIATE, HIDDEN
+    gate_q, gate_s = random_int4(rng, n, k)
+    up_q, up_s = random_int4(rng, n, k)
+    x = rng.standard_normal(k).astype(np.float16)
+    x64 = x.astype(np.float64)
+    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path)
+    y = run_gemv(mlp, x, np.zeros(n, np.float16)).astype(np.float64)
+    g, *g_terms = reference(gate_q, gate_s, x64)
+    u, *u_terms = reference(up_q, up_s, x64)
+    bound_g, bound_u = error_bound(path, *g_terms, k), error_bound(path, *u_terms, k)
+    silu = g / (1 + np.exp(-g))
+    expected = silu * u
+    # FP16 output rounding and float32 silu/product, plus g's and u's errors carried through
+    # silu (slope <= 1.1) and the product.
+    bound = (U16 + 8 * U32) * np.abs(expected) + 1.1 * np.abs(u) * bound_g + (np.abs(silu) + 1.1 * bound_g) * bound_u
+    assert np.all(np.abs(y - expected) <= bound)
+
+
+def time_in_graph(build, bytes_per_call, out_dtype, replays=20):
+    """Seconds per call: `build()` -> object with .launch(stream, x, out); enough copies of the
+    weights are rotated that together they exceed the L2 twice (so every call reads HBM), all
+    calls captured in one CUDA graph, the graph replayed `replays` times between two events."""
+    from numba import cuda
+
+    from pynanoqwen.graphs import capture
+
+    copies = max(1, -(-2 * L2_BYTES // bytes_per_call))
+    calls = max(copies, 32)
+    gemvs = [build() for _ in range(copies)]
+    stream = cuda.stream()
+    x = cuda.to_device(np.random.default_rng().standard_normal(gemvs[0].k).astype(np.float16), stream=stream)
+    out = cuda.device_array(gemvs[0].n, dtype=out_dtype)
+    for gemv in gemvs:  # compile and load before capturing
+        gemv.launch(stream, x, out)
+    stream.synchronize()
+    graph = capture(stream, lambda: [gemvs[i % copies].launch(stream, x, out) for i in range(calls)])
+    try:
+        graph.launch(stream)  # warm-up replay
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        for _ in range(replays):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / 1e3 / (replays * calls)
+    finally:
+        graph.close()
+
+
+def test_gemv_bandwidth_report():
+    rng = np.random.default_rng()
+    sweep = os.environ.get("PYNANOQWEN_GEMV_SWEEP") == "1"
+    print("\nshape                 path  rows    us/call   GB/s  % of 4.3 TB/s")
+    for name, n, k in [("qkv", QKV, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("gate_up", INTERMEDIATE, HIDDEN),
+                       ("down_proj", HIDDEN, INTERMEDIATE), ("lm_head", VOCAB, HIDDEN)]:
+        matrices = 2 if name == "gate_up" else 1
+        weights = [random_int4(rng, n, k) for _ in range(matrices)]
+        nbytes = matrices * gemv_bytes(n, k)
+        for path in ("prmt", "dp4a"):
+            for rows in ((1, 2, 4) if sweep else (None,)):
+                if matrices == 2:
+                    def build(rows=rows, path=path):
+                        (gq, gs), (uq, us) = weights
+                        return make_gate_up_silu(n, k, gq, gs, uq, us, path=path, rows_per_warp=rows)
+                else:
+                    def build(rows=rows, path=path):
+                        return make_gemv_int4(n, k, *weights[0], path=path, rows_per_warp=rows)
+                seconds = time_in_graph(build, nbytes, np.float16 if matrices == 2 else np.float32)
+                label = f"{name} {n}x{k}" + (" x2" if matrices == 2 else "")
+                rows_used = default_rows_per_warp(n, matrices) if rows is None else rows
+                print(f"{label:21s} {path:5s} {rows_used:4d} {seconds * 1e6:10.2f} {nbytes / seconds / 1e9:6.0f}"
+                      f"  {100 * nbytes / seconds / ROOFLINE:5.1f}")
+                # Faster than HBM would mean the weights came from L2: the measurement is broken.
+                assert nbytes / seconds < 1.15 * ROOFLINE
