@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pynanoqwen.kernels.gemv_int4 import default_rows_per_warp, gemv_bytes, make_gate_up_silu, make_gemv_int4
+from pynanoqwen.gpu_timing import time_gemv
 from pynanoqwen.quant import dequantize_int4
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.gpu
 U16, U32 = 2.0**-11, 2.0**-24
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
 ROOFLINE = 4.3e12  # bytes/s, H200 with 16-byte loads (../shared/GPU-NOTES.md)
-L2_BYTES = 60 * 2**20
 
 
 def random_int4(rng, n, k):
@@ -110,37 +110,6 @@ def test_gate_up_silu_7b_shape(path):
     assert np.all(np.abs(y - expected) <= bound)
 
 
-def time_in_graph(build, bytes_per_call, out_dtype, replays=20):
-    """Seconds per call: `build()` -> object with .launch(stream, x, out); enough copies of the
-    weights are rotated that together they exceed the L2 twice (so every call reads HBM), all
-    calls captured in one CUDA graph, the graph replayed `replays` times between two events."""
-    from numba import cuda
-
-    from pynanoqwen.graphs import capture
-
-    copies = max(1, -(-2 * L2_BYTES // bytes_per_call))
-    calls = max(copies, 32)
-    gemvs = [build() for _ in range(copies)]
-    stream = cuda.stream()
-    x = cuda.to_device(np.random.default_rng().standard_normal(gemvs[0].k).astype(np.float16), stream=stream)
-    out = cuda.device_array(gemvs[0].n, dtype=out_dtype)
-    for gemv in gemvs:  # compile and load before capturing
-        gemv.launch(stream, x, out)
-    stream.synchronize()
-    graph = capture(stream, lambda: [gemvs[i % copies].launch(stream, x, out) for i in range(calls)])
-    try:
-        graph.launch(stream)  # warm-up replay
-        start, end = cuda.event(), cuda.event()
-        start.record(stream)
-        for _ in range(replays):
-            graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        return cuda.event_elapsed_time(start, end) / 1e3 / (replays * calls)
-    finally:
-        graph.close()
-
-
 def test_gemv_bandwidth_report():
     rng = np.random.default_rng()
     sweep = os.environ.get("PYNANOQWEN_GEMV_SWEEP") == "1"
@@ -159,7 +128,7 @@ def test_gemv_bandwidth_report():
                 else:
                     def build(rows=rows, path=path):
                         return make_gemv_int4(n, k, *weights[0], path=path, rows_per_warp=rows)
-                seconds = time_in_graph(build, nbytes, np.float16 if matrices == 2 else np.float32)
+                seconds = time_gemv(build, nbytes, np.float16 if matrices == 2 else np.float32)
                 label = f"{name} {n}x{k}" + (" x2" if matrices == 2 else "")
                 rows_used = default_rows_per_warp(n, matrices) if rows is None else rows
                 print(f"{label:21s} {path:5s} {rows_used:4d} {seconds * 1e6:10.2f} {nbytes / seconds / 1e9:6.0f}"

@@ -12,6 +12,7 @@ which section of the PTX ISA it comes from. One module per instruction family:
     half2.py  fma.rn.f16x2, half2 -> float32 unpack       (PTX ISA, Half Precision: fma; cvt)
     warp.py   shfl.sync.bfly.b32, warp sum / max          (PTX ISA, Data Movement: shfl.sync)
     bulk_copy.py, mbarrier.py: the attention kernel's TMA copies (owned by the attention author).
+    mma.py    mma.sync m16n8k16, ldmatrix, ld.shared.v4, cp.async: the tensor-core GEMM's feed
 
 How a primitive gets its simulator twin
 --------------------------------------

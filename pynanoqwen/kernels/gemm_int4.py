@@ -1,0 +1,434 @@
+"""INT4 GEMM for prefill on the tensor cores: out[M, N] = X[M, K] W^T, plus a fused epilogue.
+
+X is float16 [M, K] (M = prompt tokens, row-major); W is an INT4 linear in the ValueShuffle
+layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128]). Prefill of a
+512-token prompt through the 7B model is ~7.8 TFLOP: tensor-core work, not the GEMV's
+bandwidth problem. The weights are dequantized on the fly, in registers, straight into the B
+operand of `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style.
+
+Launch shape. grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N threads. Block
+(i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x share a weight
+tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the block's output:
+WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per tile. The default
+tile (`LARGE`) is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
+32-wide k step. The fused gate/up projection is the same kernel with two weight matrices: a block
+reads 64 rows of Wg and the same 64 rows of Wu, and each warp's tiles come in pairs (gate, up)
+covering the same output columns, so the epilogue finds silu(g) * u in one lane's registers.
+
+The k order is ours to choose. mma sums over k, so any permutation of k that A and B share gives
+the same product. Lane (g, t) must hold B[k, n = g] for k = 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of
+each 16-wide k step, and one packed word holds 8 consecutive k of one weight row, which the prmt
+unpack (gemv_int4.dot8_prmt's steps) turns into the half2 pairs (k0, k1), (k2, k3), (k4, k5),
+(k6, k7). So over a 32-wide k tile, lane (g, t) takes word t of weight row g: pairs 0, 1 serve as
+its b0, b1 of the first mma step and pairs 2, 3 of the second. The A fragment must follow the same
+map: lane (g, t) needs X[g, 8t..8t+7] (and row g+8), which is one 16-byte shared-memory load
+(`ld.shared.v4`) per row, not an `ldmatrix`. Per 32-wide k tile a lane therefore loads one word
+per weight tile, 2 x 16 bytes per activation tile, and unpacks one word into four half2 with
+2 prmt + 4 AND + 8 fma.rn.f16x2 (offset removal exact, then one rounding to FP16 when multiplying
+by the group scale). The scales of the next 128-wide group are fetched into registers one group
+ahead.
+
+Pipeline. Shared memory holds STAGES (4) k tiles: the activation tile BLOCK_M x 32 float16 (64
+bytes per row) and the packed weight tile BLOCK_N x 4 words (16 bytes per row), 10 KiB per stage
+for LARGE, 40 KiB in all (under the 48 KiB of static shared memory). Every thread issues 16-byte
+`cp.async.cg` copies for its share of a stage and commits them as one group; in step kt it waits
+until tile kt has landed (wait_group STAGES-2), passes one barrier, which also tells it that every
+warp is done with the stage about to be refilled, issues tile kt + STAGES - 1 and computes tile kt.
+Activation rows >= M are zero-filled by the copy (src-size 0), so every tile is full and only the
+epilogue checks rows. Bank conflicts: none, without a swizzle: each quarter-warp's ld.shared.v4
+reads two whole 64-byte activation rows (128 contiguous bytes), and a warp's 32 weight words are 8
+whole 16-byte rows.
+
+Epilogues (closure constants, one kernel build each): `plain` out = XW^T; `bias` out = XW^T + b
+(QKV, FP16 bias); `residual` out += XW^T (o_proj, down_proj into the float32 residual stream);
+`gate_up_silu` out (float16) = silu(X Wg^T) * (X Wu^T). Output float32 or float16 [M, N].
+
+Cost per 32-wide k tile and warp of LARGE: 64 mma, 8 ld.shared.v4 + 8 ld.shared.b32, 8 words
+unpacked (112 ALU instructions), ~5 cp.async. Measured: not yet (tests/test_gemm_gpu.py prints
+TFLOP/s against the ~790 TFLOP/s the H200 reaches in bf16).
+
+API (the prefill path builds these once per layer):
+
+    gemm = make_gemm_int4(n, k, qweight, scales, bias=None, out_dtype="float32")
+    gemm.launch(stream, x, out, m)                  # out[:m] = x[:m] W^T (+ bias)
+    gemm.launch(stream, x, h, m, residual=True)     # h[:m] += x[:m] W^T
+    mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s)
+    mlp.launch(stream, x, out, m)                   # out float16 [:m] = silu(x Wg^T) * (x Wu^T)
+
+x is float16 [>= m, K] and out [>= m, N] on the device, C-contiguous. The tile shape is picked
+from m (`default_tiles`) unless the factory was given `tiles=`; nothing is allocated at launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+from numba.core import types
+
+from ..config import GROUP_SIZE
+from ..ptx.half2 import fma_f16x2
+from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
+    ld_shared_v4_u32, mma_m16n8k16
+from ..ptx.prmt import prmt
+from . import CompileTarget
+from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
+    SELECT_BYTES_0_1, SELECT_BYTES_2_3
+
+U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
+
+K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
+A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
+B_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (16 bytes)
+CHUNK_WORDS = 4  # one cp.async or ld.shared.v4: 16 bytes
+TILES_PER_GROUP = GROUP_SIZE // K_TILE  # k tiles sharing one scale
+EPILOGUES = ("plain", "bias", "residual", "gate_up_silu")
+STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory (cuda.shared.array) limit
+
+
+@dataclasses.dataclass(frozen=True)
+class TileShape:
+    """A block's tile: BLOCK_M activation rows x BLOCK_N weight rows (all matrices together),
+    split over WARPS_M x WARPS_N warps; STAGES k tiles in flight."""
+
+    block_m: int
+    block_n: int
+    warps_m: int
+    warps_n: int
+    stages: int = 4
+
+    def check(self, matrices: int) -> None:
+        """Raise ValueError unless every warp gets whole 16 x 8 mma tiles (of each matrix), the
+        prologue's STAGES - 1 tiles fit in the smallest K (one group) and the ring in 48 KiB."""
+        warp_m, warp_n = self.block_m // self.warps_m, self.block_n // self.warps_n
+        if self.block_m % (16 * self.warps_m) or self.block_n % (8 * matrices * self.warps_n) \
+                or warp_n % (8 * matrices) or not 2 <= self.stages <= TILES_PER_GROUP + 1 \
+                or self.shared_bytes > STATIC_SHARED_BYTES:
+            raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
+                             f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
+                             f"{STATIC_SHARED_BYTES} bytes of shared memory")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        return 4 * self.stages * (self.block_m * A_ROW_WORDS + self.block_n * B_ROW_WORDS)
+
+
+LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: the prefill tile
+MEDIUM = TileShape(64, 128, 2, 2)  # warps of 32 x 64: twice the blocks for short prompts
+SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
+
+
+def default_tiles(m: int) -> TileShape:
+    """The tile for M activation rows: the largest that does not mostly compute padding."""
+    if m <= 16:
+        return SMALL
+    return MEDIUM if m <= 64 else LARGE
+
+
+@cuda.jit(device=True, inline="always")
+def dequantize8(word, scale):
+    """The 8 weights of one packed word times the half2 scale (s, s): four half2, input order.
+
+    prmt drops two bytes under the FP16 exponent 0x64 (1024.0); the AND keeps the low or the high
+    nibbles; one exact fma removes the offset (u - 8, see gemv_int4.py); one fma multiplies by
+    the scale (the only rounding: to FP16, |error| <= 2^-11 |w|).
+    """
+    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_0_1)
+    w01 = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), scale, U(0))
+    w23 = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), scale, U(0))
+    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_2_3)
+    w45 = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), scale, U(0))
+    w67 = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), scale, U(0))
+    return w01, w23, w45, w67
+
+
+@functools.cache
+def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
+    """gemm_int4(x, m, q0, s0, q1, s1, bias, out) for one shape, tile and epilogue.
+
+    x uint32 [rows * K/2] (float16 pairs), m uint32, q* uint32 [N*K/8], s* uint16 [N*K/128] (FP16
+    bits), bias float16 [N], out float32 or float16 [rows * N]; all flat. q1/s1 (the up matrix) and
+    bias are read only by the epilogues that use them (pass any array of the type otherwise).
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    tiles.check(matrices)
+    BLOCK_M, BLOCK_N, STAGES, THREADS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads
+    WARPS_N = tiles.warps_n
+    COLS = BLOCK_N // matrices  # output columns per block = weight rows per matrix
+    if n % COLS or k % GROUP_SIZE:
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
+    WARP_M, WARP_COLS = BLOCK_M // tiles.warps_m, COLS // WARPS_N
+    M_TILES = WARP_M // 16
+    COL_TILES = WARP_COLS // 8  # n8 tiles per matrix per warp
+    N_TILES = matrices * COL_TILES  # gate tiles first, then the up tiles of the same columns
+    ACCUMULATORS = 4 * M_TILES * N_TILES
+    A_FRAGMENTS, B_FRAGMENTS = 8 * M_TILES, 4 * N_TILES  # registers of one k tile's operands
+    A_STAGE, B_STAGE = BLOCK_M * A_ROW_WORDS, BLOCK_N * B_ROW_WORDS
+    A_RING, B_RING = STAGES * A_STAGE, STAGES * B_STAGE  # shared words (a literal size for Numba)
+    A_CHUNKS = BLOCK_M * A_ROW_WORDS // CHUNK_WORDS
+    X_ROW_WORDS, W_ROW_WORDS, GROUPS, K_TILES = k // 2, k // 8, k // GROUP_SIZE, k // K_TILE
+    WAIT = STAGES - 2  # groups that may stay in flight when a tile must have landed
+    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
+
+    @cuda.jit(device=True, inline="always")
+    def load_stage(x, m, q0, q1, a_tiles, b_tiles, stage, kt, m0, n0):
+        """Issue this thread's cp.async share of k tile kt into `stage`: activations, then weights."""
+        tid = U(cuda.threadIdx.x)
+        for i in range(-(-A_CHUNKS // THREADS)):
+            c = tid + U(i * THREADS)
+            if A_CHUNKS % THREADS == 0 or c < A_CHUNKS:
+                row, chunk = c // U(A_ROW_WORDS // CHUNK_WORDS), c % U(A_ROW_WORDS // CHUNK_WORDS)
+                inside = m0 + row < m
+                src_row = m0 + row if inside else U(0)  # rows >= M: read nothing, write zeros
+                cp_async_16(a_tiles, stage * U(A_STAGE) + row * U(A_ROW_WORDS) + chunk * U(CHUNK_WORDS),
+                            x, src_row * U(X_ROW_WORDS) + kt * U(A_ROW_WORDS) + chunk * U(CHUNK_WORDS),
+                            U(16) if inside else U(0))
+        for i in range(-(-BLOCK_N // THREADS)):
+            c = tid + U(i * THREADS)
+            if BLOCK_N % THREADS == 0 or c < BLOCK_N:
+                dst = stage * U(B_STAGE) + c * U(B_ROW_WORDS)
+                if not GATE_UP or c < COLS:
+                    cp_async_16(b_tiles, dst, q0, (n0 + c) * U(W_ROW_WORDS) + kt * U(B_ROW_WORDS), U(16))
+                else:
+                    cp_async_16(b_tiles, dst, q1, (n0 + c - U(COLS)) * U(W_ROW_WORDS) + kt * U(B_ROW_WORDS), U(16))
+
+    @cuda.jit(device=True, inline="always")
+    def load_scales(s0, s1, row, group, scale):
+        """Half2 (s, s) of group `group` for each of the lane's weight tiles (row = its first row)."""
+        for j in range(N_TILES):
+            at = (row + U(8 * (j % COL_TILES))) * U(GROUPS) + group
+            bits = U(s0[at]) if j < COL_TILES else U(s1[at])
+            scale[j] = bits | (bits << U(16))
+
+    @cuda.jit(device=True, inline="always")
+    def multiply_stage(a_tiles, b_tiles, a_at, b_at, scale, a, b, acc):
+        """acc += this warp's k tile: fragments from shared memory, weights unpacked, 2 mma steps."""
+        for i in range(M_TILES):  # X[g, 8t..8t+7] and X[g+8, 8t..8t+7] of m tile i
+            a[8 * i], a[8 * i + 1], a[8 * i + 2], a[8 * i + 3] = ld_shared_v4_u32(
+                a_tiles, a_at + U(16 * i * A_ROW_WORDS))
+            a[8 * i + 4], a[8 * i + 5], a[8 * i + 6], a[8 * i + 7] = ld_shared_v4_u32(
+                a_tiles, a_at + U((16 * i + 8) * A_ROW_WORDS))
+        for j in range(N_TILES):  # word t of weight row g of n tile j, as (k0,k1) .. (k6,k7)
+            row = (j // COL_TILES) * COLS + 8 * (j % COL_TILES)
+            b[4 * j], b[4 * j + 1], b[4 * j + 2], b[4 * j + 3] = dequantize8(
+                b_tiles[b_at + U(row * B_ROW_WORDS)], scale[j])
+        for step in range(2):
+            for i in range(M_TILES):
+                for j in range(N_TILES):
+                    c = 4 * (i * N_TILES + j)
+                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_m16n8k16(
+                        a[8 * i + 2 * step], a[8 * i + 4 + 2 * step], a[8 * i + 1 + 2 * step], a[8 * i + 5 + 2 * step],
+                        b[4 * j + 2 * step], b[4 * j + 1 + 2 * step],
+                        acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+
+    @cuda.jit
+    def gemm_int4(x, m, q0, s0, q1, s1, bias_values, out):
+        a_tiles = cuda.shared.array(A_RING, uint32, alignment=SHARED_ALIGNMENT)
+        b_tiles = cuda.shared.array(B_RING, uint32, alignment=SHARED_ALIGNMENT)
+        a = cuda.local.array(A_FRAGMENTS, uint32)
+        b = cuda.local.array(B_FRAGMENTS, uint32)
+        scale = cuda.local.array(N_TILES, uint32)
+        upcoming_scale = cuda.local.array(N_TILES, uint32)
+        acc = cuda.local.array(ACCUMULATORS, float32)
+        m = U(m)
+        m0 = U(cuda.blockIdx.x) * U(BLOCK_M)
+        n0 = U(cuda.blockIdx.y) * U(COLS)
+        warp, lane = U(cuda.threadIdx.x) // U(32), U(cuda.threadIdx.x) % U(32)
+        g, t = lane // U(4), lane % U(4)
+        warp_col = (warp % U(WARPS_N)) * U(WARP_COLS)  # the warp's first output column in the block
+        first_row = (warp // U(WARPS_N)) * U(WARP_M) + g  # this lane's rows: first_row + 16 i + 8 h
+        first_col = warp_col + g  # this lane's weight rows (in each matrix): first_col + 8j
+        a_at = first_row * U(A_ROW_WORDS) + U(4) * t
+        b_at = first_col * U(B_ROW_WORDS) + t
+        for c in range(ACCUMULATORS):
+            acc[c] = float32(0)
+
+        for kt in range(STAGES - 1):
+            load_stage(x, m, q0, q1, a_tiles, b_tiles, U(kt), U(kt), m0, n0)
+            cp_async_commit_group()
+        load_scales(s0, s1, n0 + first_col, U(0), upcoming_scale)
+        for group in range(GROUPS):
+            for j in range(N_TILES):
+                scale[j] = upcoming_scale[j]
+            if group + 1 < GROUPS:
+                load_scales(s0, s1, n0 + first_col, U(group + 1), upcoming_scale)
+            for sub in range(TILES_PER_GROUP):
+                kt = U(group * TILES_PER_GROUP + sub)
+                cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
+                cuda.syncthreads()  # ...everyone's have, and nobody still reads tile kt - 1's stage
+                ahead = kt + U(STAGES - 1)
+                if ahead < K_TILES:
+                    load_stage(x, m, q0, q1, a_tiles, b_tiles, ahead % U(STAGES), ahead, m0, n0)
+                cp_async_commit_group()  # possibly empty: keeps one group per k tile
+                stage = kt % U(STAGES)
+                multiply_stage(a_tiles, b_tiles, stage * U(A_STAGE) + a_at, stage * U(B_STAGE) + b_at,
+                               scale, a, b, acc)
+
+        # Accumulator 2 half + e of tile (i, j) is D[g + 8 half, 2t + e] of that 16 x 8 tile.
+        for j in range(COL_TILES):
+            col = n0 + warp_col + U(8 * j) + U(2) * t
+            # Loaded once per column pair: the compiler may not reuse them across stores to `out`.
+            bias0 = float32(bias_values[col]) if BIAS else float32(0)
+            bias1 = float32(bias_values[col + U(1)]) if BIAS else float32(0)
+            for i in range(M_TILES):
+                for half in range(2):
+                    row = m0 + first_row + U(16 * i + 8 * half)
+                    if row < m:
+                        c = 4 * (i * N_TILES + j) + 2 * half
+                        for e in range(2):
+                            value = acc[c + e]
+                            if BIAS:
+                                value += bias0 if e == 0 else bias1
+                            if GATE_UP:  # value is the gate; the up tile is COL_TILES tiles on
+                                value = value / (float32(1) + math.exp(-value)) * acc[c + e + 4 * COL_TILES]
+                            if RESIDUAL:
+                                out[row * U(n) + col + U(e)] += value
+                            else:
+                                out[row * U(n) + col + U(e)] = value
+
+    return gemm_int4
+
+
+def _on_device(array, dtype):
+    array = cuda.to_device(np.ascontiguousarray(array, dtype=dtype)) if isinstance(array, np.ndarray) else array
+    if array.dtype != np.dtype(dtype):
+        raise TypeError(f"expected a {np.dtype(dtype)} array, got {array.dtype}")
+    return array
+
+
+def _weights(n: int, k: int, qweight, scales):
+    """(qweight uint32 [N*K/8], scale bits uint16 [N*K/128]) on the device, flat."""
+    if k % GROUP_SIZE:
+        raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
+    if tuple(qweight.shape) != (n, k // 8) or tuple(scales.shape) != (n, k // GROUP_SIZE):
+        raise ValueError(f"qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} do not match "
+                         f"N={n}, K={k}")
+    q = _on_device(qweight, np.uint32).reshape(n * k // 8)
+    s = _on_device(scales, np.float16).reshape(n * k // GROUP_SIZE).view(np.uint16)
+    return q, s
+
+
+class _Launcher:
+    """What every GEMM object does at launch: check the operands, pick the tile, flatten, launch."""
+
+    def __init__(self, n: int, k: int, tiles: TileShape | None, matrices: int, out_dtype: str):
+        self.n, self.k, self.tiles, self.matrices, self.out_dtype = n, k, tiles, matrices, out_dtype
+        for shape in ((tiles,) if tiles else (SMALL, MEDIUM, LARGE)):
+            shape.check(matrices)
+            if n % (shape.block_n // matrices):
+                raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
+
+    def tiles_for(self, m: int) -> TileShape:
+        return self.tiles or default_tiles(m)
+
+    def launch(self, stream, kernel, tiles: TileShape, x, out, m: int, q0, s0, q1, s1, bias) -> None:
+        if x.dtype != np.float16 or x.ndim != 2 or x.shape[1] != self.k or x.shape[0] < m:
+            raise ValueError(f"x must be float16 [>= {m}, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        if out.dtype != np.dtype(self.out_dtype) or out.ndim != 2 or out.shape[1] != self.n or out.shape[0] < m:
+            raise ValueError(f"out must be {self.out_dtype} [>= {m}, {self.n}], got {out.dtype} {tuple(out.shape)}")
+        if m < 1:
+            return
+        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
+        kernel[grid, tiles.threads, stream](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
+                                            out.reshape(out.size))
+
+
+class Int4Gemm:
+    """out = x W^T (+ bias), or out += x W^T, for one INT4 linear at M rows; built by make_gemm_int4."""
+
+    def __init__(self, n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None):
+        if out_dtype not in ("float32", "float16"):
+            raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
+        self.n, self.k, self.out_dtype = n, k, out_dtype
+        self._launcher = _Launcher(n, k, tiles, 1, out_dtype)
+        self.qweight, self.scales = _weights(n, k, qweight, scales)
+        self.bias = None if bias is None else _on_device(bias, np.float16)
+        if self.bias is not None and tuple(self.bias.shape) != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(self.bias.shape)}")
+        self._unused_bias = cuda.device_array(1, np.float16) if bias is None else None
+
+    def kernel(self, m: int, residual: bool = False):
+        """(kernel, tiles) this object launches for m rows; compiled on first use."""
+        if residual and (self.out_dtype != "float32" or self.bias is not None):
+            raise ValueError("a residual GEMM accumulates into float32 and takes no bias")
+        epilogue = "residual" if residual else ("bias" if self.bias is not None else "plain")
+        tiles = self._launcher.tiles_for(m)
+        return gemm_kernel(self.n, self.k, tiles, epilogue), tiles
+
+    def launch(self, stream, x, out, m: int, *, residual: bool = False) -> None:
+        """out[:m] = x[:m] W^T (+ bias), or out[:m] += x[:m] W^T when residual."""
+        kernel, tiles = self.kernel(m, residual)
+        bias = self._unused_bias if self.bias is None else self.bias
+        self._launcher.launch(stream, kernel, tiles, x, out, m, self.qweight, self.scales, self.qweight,
+                              self.scales, bias)
+
+
+class GateUpSiluGemm:
+    """out float16 = silu(x Wg^T) * (x Wu^T), both projections in one kernel; built by make_gate_up_silu_gemm."""
+
+    def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, tiles=None):
+        self.n, self.k = n, k
+        self._launcher = _Launcher(n, k, tiles, 2, "float16")
+        self.gate_q, self.gate_s = _weights(n, k, gate_q, gate_s)
+        self.up_q, self.up_s = _weights(n, k, up_q, up_s)
+        self._unused_bias = cuda.device_array(1, np.float16)
+
+    def kernel(self, m: int):
+        tiles = self._launcher.tiles_for(m)
+        return gemm_kernel(self.n, self.k, tiles, "gate_up_silu"), tiles
+
+    def launch(self, stream, x, out, m: int) -> None:
+        """out[:m] (float16 [>= m, N]) = silu(x[:m] Wg^T) * (x[:m] Wu^T)."""
+        kernel, tiles = self.kernel(m)
+        self._launcher.launch(stream, kernel, tiles, x, out, m, self.gate_q, self.gate_s, self.up_q,
+                              self.up_s, self._unused_bias)
+
+
+def make_gemm_int4(n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None) -> Int4Gemm:
+    """An INT4 GEMM for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128])."""
+    return Int4Gemm(n, k, qweight, scales, bias=bias, out_dtype=out_dtype, tiles=tiles)
+
+
+def make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, *, tiles=None) -> GateUpSiluGemm:
+    """The fused MLP input projection at M rows: silu(X Wg^T) * (X Wu^T) for Wg, Wu [n, k] in INT4."""
+    return GateUpSiluGemm(n, k, gate_q, gate_s, up_q, up_s, tiles=tiles)
+
+
+def gemm_flops(m: int, n: int, k: int, matrices: int = 1) -> int:
+    """Multiply-adds x 2 of one call."""
+    return 2 * m * n * k * matrices
+
+
+def _signature(out=types.float32):
+    words, bits = types.uint32[::1], types.uint16[::1]
+    return types.void(words, types.uint32, words, bits, words, bits, types.float16[::1], out[::1])
+
+
+def compile_targets() -> list[CompileTarget]:
+    """Every 7B linear with the epilogue and tile prefill uses there, the smaller tiles at one 7B
+    shape each, and a tiny shape with float16 output."""
+    hidden, intermediate, qkv = 3584, 18944, 4608
+    must = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "cp.async.cg.shared.global",
+            "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
+    targets = []
+    for name, n, k, epilogue, tiles, out in (
+            ("qkv", qkv, hidden, "bias", LARGE, types.float32),
+            ("o_proj", hidden, hidden, "residual", LARGE, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", LARGE, types.float16),
+            ("down_proj", hidden, intermediate, "residual", LARGE, types.float32),
+            ("qkv", qkv, hidden, "bias", MEDIUM, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", SMALL, types.float16),
+            ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16)):
+        label = {LARGE: "large", MEDIUM: "medium", SMALL: "small"}[tiles]
+        targets.append(CompileTarget(f"gemm_int4_{epilogue}_{label}[{name} {n}x{k}]",
+                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must))
+    return targets

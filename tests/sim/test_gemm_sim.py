@@ -1,0 +1,149 @@
+"""The INT4 tensor-core GEMM (kernels/gemm_int4.py) under the CUDA simulator, every epilogue, at tiny
+sizes and a tiny tile (32 x 32, two warps, three stages: the same kernel code as on the GPU),
+against float64 numpy (quant.dequantize_int4) on fresh random inputs; and the warp-cooperative
+twins of mma.sync and ldmatrix inside a simulated warp.
+
+Tolerances, derived rather than tuned (u16 = 2^-11, u32 = 2^-24 unit roundoffs):
+- "exact" operands: scales j/128 (|j| < 128) times codes -8..7 are multiples of 1/128 below 8 in
+  magnitude, exact in FP16 (10 significant bits); activations m/8 with |m| <= 8. Every product is
+  then a multiple of 2^-10 below 8, every partial sum over K <= 384 a multiple of 2^-10 below
+  2^12: exact in FP32 (22 bits). So the product must come out exact, and only the epilogue's own
+  roundings remain (one FP32 add for bias and residual, the FP16 store, silu in float32). This
+  catches any fragment, layout, unpack or pipeline mistake.
+- Gaussian activations and arbitrary scales: the bound derived in tests/test_gemm_gpu.py (weights
+  rounded to FP16: u16 sum|x w|; FP32 accumulation under its tensor-core model: 37 (K/16 + 1) u32
+  sum|x w|). The simulated mma rounds once per step, well inside that.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda, float32, uint32
+
+from pynanoqwen.kernels.gemm_int4 import TileShape, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.ptx import SIMULATOR
+from pynanoqwen.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
+from pynanoqwen.quant import dequantize_int4
+
+assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_simulator.py)"
+
+U16, U32 = 2.0**-11, 2.0**-24
+SIM_TILES = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3)
+EXTRA_ROWS = 3  # x and out have rows past m: the kernel must neither need nor touch them
+
+
+def exact_linear(rng, n, k):
+    """Random packed words (every nibble value) and scales j/128: W' = (u - 8) s exact in FP16."""
+    qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = (rng.integers(1, 128, size=(n, k // 128)) * rng.choice([-1, 1], size=(n, k // 128)) / 128)
+    scales = scales.astype(np.float16)
+    return qweight, scales, dequantize_int4(qweight, scales, np.float64)
+
+
+def exact_activations(rng, m, k):
+    return (rng.integers(-8, 9, size=(m + EXTRA_ROWS, k)) / 8).astype(np.float16)
+
+
+def run(gemm, x, out, m, **epilogue):
+    out_device = cuda.to_device(out)
+    gemm.launch(0, cuda.to_device(x), out_device, m, **epilogue)
+    result = out_device.copy_to_host()
+    assert np.array_equal(result[m:], out[m:], equal_nan=True), "rows past m were written"
+    return result[:m].astype(np.float64)
+
+
+@pytest.mark.parametrize("m, n, k, epilogue", [
+    (33, 32, 256, "plain"),      # 2 row blocks, the second mostly zero-filled rows; 8 k tiles, 2 groups
+    (7, 64, 256, "bias"),        # 2 column blocks
+    (1, 32, 384, "residual"),    # one token; 3 scale groups, the stage ring wraps 4 times
+    (17, 32, 128, "float16"),    # a single group: the pipeline's prologue covers most of K
+])
+def test_gemm_exact_operands(m, n, k, epilogue):
+    rng = np.random.default_rng()
+    qweight, scales, w = exact_linear(rng, n, k)
+    x = exact_activations(rng, m, k)
+    bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+    out_dtype = np.float16 if epilogue == "float16" else np.float32
+    out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(out_dtype)  # residual adds to fresh values
+    gemm = make_gemm_int4(n, k, qweight, scales, bias=bias, out_dtype=np.dtype(out_dtype).name, tiles=SIM_TILES)
+    y = run(gemm, x, out, m, residual=epilogue == "residual")
+    expected = x[:m].astype(np.float64) @ w.T
+    if epilogue == "plain":
+        assert np.array_equal(y, expected)
+        return
+    if epilogue == "bias":
+        expected += bias
+    if epilogue == "residual":
+        expected += out[:m]
+    rounding = U16 if epilogue == "float16" else U32  # the one rounding left: FP32 add or FP16 store
+    assert np.all(np.abs(y - expected) <= rounding * np.abs(expected) + (2.0**-25 if epilogue == "float16" else 0))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # exp(-g), g < -88: inf, silu -0
+def test_gate_up_silu_exact_operands():
+    rng = np.random.default_rng()
+    m, n, k = 33, 32, 256  # a block holds 16 columns of each matrix: 2 column blocks
+    gate_q, gate_s, wg = exact_linear(rng, n, k)
+    up_q, up_s, wu = exact_linear(rng, n, k)
+    x = exact_activations(rng, m, k)
+    mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=SIM_TILES)
+    y = run(mlp, x, np.full((m + EXTRA_ROWS, n), np.nan, np.float16), m)
+    g, u = x[:m].astype(np.float64) @ wg.T, x[:m].astype(np.float64) @ wu.T  # exact in the kernel too
+    expected = g / (1 + np.exp(-g)) * u
+    # FP16 store (relative u16, or 2^-25 absolute among subnormals) of a float32 silu(g) * u that
+    # is within a few u32 (exp, add, divide, multiply).
+    assert np.all(np.abs(y - expected) <= (U16 + 8 * U32) * np.abs(expected) + 2.0**-25)
+
+
+def test_gemm_gaussian_activations_within_accumulation_bound():
+    rng = np.random.default_rng()
+    m, n, k = 20, 32, 256
+    qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16)
+    w = dequantize_int4(qweight, scales, np.float64)
+    x = rng.standard_normal((m + EXTRA_ROWS, k)).astype(np.float16)
+    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_TILES)
+    y = run(gemm, x, np.zeros((m + EXTRA_ROWS, n), np.float32), m)
+    x64 = x[:m].astype(np.float64)
+    magnitude = np.abs(x64) @ np.abs(w.T)
+    assert np.all(np.abs(y - x64 @ w.T) <= (U16 + 37 * (k // 16 + 1) * U32) * magnitude)
+
+
+def test_shapes_that_do_not_tile_are_refused():
+    rng = np.random.default_rng()
+    qweight, scales, _ = exact_linear(rng, 48, 256)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        make_gemm_int4(48, 256, qweight, scales, tiles=SIM_TILES)
+
+
+@cuda.jit
+def product_through_fragments(a, b, d):
+    """D (16x16) = A (16x16) B (16x16), one warp: A by ldmatrix, B (row-major k x n) by
+    ldmatrix.trans, two mma n8 tiles."""
+    a_tile = cuda.shared.array(128, uint32)
+    b_tile = cuda.shared.array(128, uint32)
+    lane = cuda.threadIdx.x
+    for i in range(4):
+        a_tile[32 * i + lane] = a[32 * i + lane]
+        b_tile[32 * i + lane] = b[32 * i + lane]
+    cuda.syncthreads()
+    matrix, r = lane // 8, lane % 8
+    # Matrix i covers rows 8 (i % 2).. and columns 8 (i // 2)..; a row of 16 halves is 8 words.
+    row, col = 8 * (matrix % 2) + r, 8 * (matrix // 2)
+    a0, a1, a2, a3 = ldmatrix_x4(a_tile, row * 8 + col // 2)
+    b0, b1, b2, b3 = ldmatrix_x4_trans(b_tile, row * 8 + col // 2)
+    zero = float32(0)
+    g, t = lane // 4, lane % 4
+    for tile, (lo, hi) in enumerate(((b0, b1), (b2, b3))):
+        d0, d1, d2, d3 = mma_m16n8k16(a0, a1, a2, a3, lo, hi, zero, zero, zero, zero)
+        col = 8 * tile + 2 * t
+        d[g, col], d[g, col + 1], d[g + 8, col], d[g + 8, col + 1] = d0, d1, d2, d3
+
+
+def test_mma_and_ldmatrix_twins_in_a_simulated_warp():
+    rng = np.random.default_rng()
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 16)).astype(np.float16)
+    d = np.zeros((16, 16), np.float32)
+    product_through_fragments[1, 32](a.view(np.uint32).ravel(), b.view(np.uint32).ravel(), d)
+    expected = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
+    assert np.array_equal(d, expected)

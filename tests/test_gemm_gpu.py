@@ -1,0 +1,130 @@
+"""INT4 tensor-core GEMM on the GPU: every 7B linear (with the epilogue prefill uses there) at
+M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, and the
+TFLOP/s it reaches at M = 512 and 2048 for each tile shape (run with -s to see it).
+
+Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact dequantized weights):
+- the kernel rounds each weight (u - 8) s to FP16 once: u16 mag (scales here are far above the
+  FP16 subnormal range, so the rounding is relative);
+- each mma adds 16 exact FP16 products to the FP32 accumulator c. Model of the tensor core (Fasi,
+  Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores", PeerJ CS 2021): the 17
+  addends are aligned to the largest and truncated to >= 24 significant bits, then the sum is
+  normalised to FP32; the step's error is at most 17 x 2^-23 max + 2^-23 |sum| <= 36 u32 (|c| +
+  sum |p|). Over the K/16 steps, with every |c| <= mag (1 + u16)(1 + 0.3%) (the sums' own growth),
+  the accumulated error is at most 37 (K/16 + 1) u32 mag;
+- epilogues: one FP32 rounding of the bias or residual add (u32 |result|), the FP16 store
+  (u16 |result|, or 2^-25 absolute below the normal range), silu in float32 (a few u32).
+The bound is a worst case (~5e-4 mag at K = 3584); a fragment or layout mistake is O(mag).
+"""
+
+import numpy as np
+import pytest
+
+from pynanoqwen.gpu_timing import L2_BYTES, time_graph
+from pynanoqwen.kernels.gemm_int4 import LARGE, MEDIUM, SMALL, gemm_flops, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.quant import dequantize_int4
+
+pytestmark = pytest.mark.gpu
+
+U16, U32 = 2.0**-11, 2.0**-24
+HIDDEN, INTERMEDIATE, QKV = 3584, 18944, 4608
+PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
+SHAPES = [("qkv", QKV, HIDDEN, "bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
+          ("gate_up", INTERMEDIATE, HIDDEN, "gate_up_silu"), ("down_proj", HIDDEN, INTERMEDIATE, "residual")]
+
+
+def random_int4(rng, n, k):
+    """Random packed words (all 16 nibble values) and signed FP16 scales of a typical size."""
+    qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = rng.uniform(0.005, 0.02, size=(n, k // 128)) * rng.choice([-1, 1], size=(n, k // 128))
+    return qweight, scales.astype(np.float16)
+
+
+def reference(qweight, scales, x64):
+    """(X W^T, |X| |W|^T) in float64."""
+    w = dequantize_int4(qweight, scales, np.float64)
+    return x64 @ w.T, np.abs(x64) @ np.abs(w.T)
+
+
+def accumulation_bound(magnitude, k):
+    return (U16 + 37 * (k // 16 + 1) * U32) * magnitude
+
+
+def run_gemm(gemm, x, out, m, **epilogue):
+    from numba import cuda
+
+    stream = cuda.stream()
+    out_device = cuda.to_device(out, stream=stream)
+    gemm.launch(stream, cuda.to_device(x, stream=stream), out_device, m, **epilogue)
+    result = out_device.copy_to_host(stream=stream)
+    stream.synchronize()
+    assert np.array_equal(result[m:], out[m:], equal_nan=True), "rows past m were written"
+    return result[:m].astype(np.float64)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 512, 2048])
+@pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gemm_7b_shapes(name, n, k, epilogue, m):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((m + 5, k)).astype(np.float16)  # rows past m: never read into the result
+    x64 = x[:m].astype(np.float64)
+    if epilogue == "gate_up_silu":
+        (gate_q, gate_s), (up_q, up_s) = random_int4(rng, n, k), random_int4(rng, n, k)
+        mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s)
+        y = run_gemm(mlp, x, np.full((m + 5, n), np.nan, np.float16), m)
+        g, g_magnitude = reference(gate_q, gate_s, x64)
+        u, u_magnitude = reference(up_q, up_s, x64)
+        bound_g, bound_u = accumulation_bound(g_magnitude, k), accumulation_bound(u_magnitude, k)
+        silu = g / (1 + np.exp(-g))
+        expected = silu * u
+        # FP16 store and float32 silu/product, plus g's and u's errors carried through silu
+        # (slope <= 1.1) and the product.
+        bound = (U16 + 8 * U32) * np.abs(expected) + 2.0**-25 + 1.1 * np.abs(u) * bound_g \
+            + (np.abs(silu) + 1.1 * bound_g) * bound_u
+    else:
+        qweight, scales = random_int4(rng, n, k)
+        bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+        out = rng.standard_normal((m + 5, n)).astype(np.float32)  # residual adds to fresh values
+        gemm = make_gemm_int4(n, k, qweight, scales, bias=bias)
+        y = run_gemm(gemm, x, out, m, residual=epilogue == "residual")
+        expected, magnitude = reference(qweight, scales, x64)
+        expected += bias if epilogue == "bias" else out[:m]
+        bound = accumulation_bound(magnitude, k) + U32 * np.abs(expected)
+    error = np.abs(y - expected)
+    worst = np.unravel_index(np.argmax(error / bound), error.shape)
+    assert np.all(error <= bound), (name, m, worst, y[worst], expected[worst], bound[worst])
+
+
+def test_gemm_throughput_report():
+    """TFLOP/s per shape, M and tile shape (LARGE is the default from M = 65 on), in CUDA graphs.
+
+    Enough copies of the weights are rotated that together they exceed twice the L2, so each call
+    reads its weights from HBM, as a prefill does layer after layer; x stays in L2 as it would."""
+    from numba import cuda
+
+    rng = np.random.default_rng()
+    stream = cuda.stream()
+    print(f"\nshape                    M  tile     us/call  TFLOP/s  % of {PEAK / 1e12:.0f}")
+    for name, n, k, epilogue in SHAPES:
+        matrices = 2 if epilogue == "gate_up_silu" else 1
+        weight_bytes = matrices * (n * k // 2 + n * k // 64)
+        copies = max(1, -(-2 * L2_BYTES // weight_bytes))
+        weights = [[tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)]
+                   for _ in range(copies)]
+        bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
+        for m in (512, 2048):
+            x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
+            out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
+            for label, tiles in (("large", LARGE), ("medium", MEDIUM), ("small", SMALL)):
+                if matrices == 2:
+                    gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) for w in weights]
+                    epilogue_args = {}
+                else:
+                    gemms = [make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
+                    epilogue_args = {"residual": epilogue == "residual"}
+                calls = max(copies, 8)
+                seconds = time_graph(stream, lambda: [gemms[i % copies].launch(stream, x, out, m, **epilogue_args)
+                                                      for i in range(calls)], replays=5) / calls
+                flops = gemm_flops(m, n, k, matrices)
+                print(f"{name} {n}x{k}".ljust(22) + f"{m:5d}  {label:6s} {seconds * 1e6:9.1f} "
+                      f"{flops / seconds / 1e12:8.1f}  {100 * flops / seconds / PEAK:5.1f}")
+                assert flops / seconds < PEAK  # faster than the tensor cores: the timing is broken
