@@ -1,0 +1,40 @@
+"""The CUDA kernels of one decode step, one module per operation, and the registry of their builds.
+
+Every kernel module exposes `compile_targets()`: the kernels it builds, each at the shapes that
+matter (the 7B model's and a tiny one), with the PTX instructions it is built around.
+tests/test_kernels_compile.py compiles every target for sm_90 with `numba.cuda.compile_ptx`,
+checks those instructions appear inline, checks hot kernels contain no `call` and no local
+memory, and assembles the PTX for sm_90 (ptxas through nvJitLink, verbose) to check for register
+spills. To register a new kernel module, add its name to KERNEL_MODULES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
+                  "attention_decode", "page_alloc", "sampling", "gemm_int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """One kernel build to check: `kernel` is a `cuda.jit` dispatcher (or its Python function)."""
+
+    name: str
+    kernel: object
+    signature: str | object  # a Numba signature, as a string or a numba.core.typing.Signature
+    must_contain: tuple[str, ...] = ()  # PTX instruction texts that must appear inline
+    hot: bool = True  # on the per-token path: no `call` allowed in its PTX
+
+    @property
+    def py_func(self):
+        return getattr(self.kernel, "py_func", self.kernel)
+
+
+def all_compile_targets() -> list[CompileTarget]:
+    """The compile targets of every module in KERNEL_MODULES, in that order."""
+    targets = []
+    for module in KERNEL_MODULES:
+        targets.extend(importlib.import_module(f"{__name__}.{module}").compile_targets())
+    return targets

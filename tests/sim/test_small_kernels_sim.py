@@ -1,0 +1,218 @@
+"""The decode step's small kernels in the CUDA simulator, at tiny sizes, on fresh random inputs.
+
+Oracles: float64 numpy for the arithmetic (RMSNorm, RoPE), exact expectations for the data
+movement (embedding, KV write, page allocation) and for token choice (argmax; for sampling, the
+inverse-CDF / Gumbel-max choice computed in float64 from the same counter-based uniforms,
+kernels.sampling.uniform_reference).
+Block sizes are shrunk (Sampler keyword arguments) so the simulator, one Python thread per CUDA
+thread, stays fast; the GPU shapes run in tests/test_engine_gpu.py.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pynanoqwen.kernels.embedding import make_embedding
+from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
+from pynanoqwen.kernels.rmsnorm import make_rmsnorm
+from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
+from pynanoqwen.kernels.sampling import Sampler, device_params, uniform_reference
+from pynanoqwen.sampling import SamplingParams
+
+# The counter-based generator multiplies uint64 values modulo 2^64 on purpose; numpy scalars warn.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+FP16_HALF_ULP = 2.0 ** -11  # relative rounding error of one conversion to float16 (normal range)
+FP32_EPS = 2.0 ** -23
+
+
+def run(launch):
+    stream = cuda.stream()
+    launch(stream)
+    stream.synchronize()
+
+
+def test_embedding_copies_the_row_of_the_token_at_pos():
+    rng = np.random.default_rng()
+    vocab, hidden = 50, 96
+    table = rng.standard_normal((vocab, hidden)).astype(np.float16)
+    tokens = rng.integers(0, vocab, 8).astype(np.int32)
+    position = int(rng.integers(0, 8))
+    h = cuda.to_device(np.full(hidden, np.nan, np.float32))
+    run(lambda s: make_embedding(hidden).launch(s, cuda.to_device(table), cuda.to_device(tokens),
+                                                cuda.to_device(np.array([position], np.int32)), h))
+    np.testing.assert_array_equal(h.copy_to_host(), table[tokens[position]].astype(np.float32))
+
+
+@pytest.mark.parametrize("hidden", [200, 1100])  # fewer threads than elements, and more than 1024
+def test_rmsnorm_matches_float64(hidden):
+    rng = np.random.default_rng()
+    h = (rng.standard_normal(hidden) * rng.uniform(0.1, 10)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, hidden).astype(np.float16)
+    eps = 1e-6
+    xn = cuda.to_device(np.zeros(hidden, np.float16))
+    run(lambda s: make_rmsnorm(hidden, eps).launch(s, cuda.to_device(h), cuda.to_device(weight), xn))
+    h64 = h.astype(np.float64)
+    expected = h64 / np.sqrt(np.mean(h64 * h64) + eps) * weight.astype(np.float64)
+    got = xn.copy_to_host().astype(np.float64)
+    # One FP16 rounding of the output, plus float32 arithmetic (sum of squares, rsqrt, products).
+    np.testing.assert_array_less(np.abs(got - expected), (FP16_HALF_ULP + 64 * FP32_EPS) * np.abs(expected) + 2.0**-25)
+
+
+def test_rope_kv_write_rotates_q_and_k_and_writes_the_page_slot():
+    rng = np.random.default_rng()
+    heads, kv_heads, head_dim, max_context = 4, 2, 16, 64
+    half = head_dim // 2
+    pages = max_context // PAGE_SIZE
+    position = int(rng.integers(0, max_context))
+    qkv = rng.standard_normal((heads + 2 * kv_heads) * head_dim).astype(np.float32)
+    page_table = rng.permutation(pages).astype(np.int32)
+    cos, sin = rope_cos_sin(head_dim, 10000.0, max_context)
+    k_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
+    v_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
+    q, k_pages, v_pages = (cuda.to_device(a) for a in (np.zeros((heads, head_dim), np.float32), k_init, v_init))
+    run(lambda s: make_rope_kv_write(heads, kv_heads, head_dim).launch(
+        s, cuda.to_device(qkv), cuda.to_device(cos), cuda.to_device(sin),
+        cuda.to_device(np.array([position], np.int32)), cuda.to_device(page_table), q, k_pages, v_pages))
+
+    inv_freq = 10000.0 ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angle = position * inv_freq
+
+    def rope64(x):  # x [n, head_dim] float64, rotate_half convention
+        x1, x2 = x[:, :half], x[:, half:]
+        return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], 1)
+
+    parts = qkv.astype(np.float64).reshape(heads + 2 * kv_heads, head_dim)
+    q_expected, k_expected, v_expected = parts[:heads], parts[heads:heads + kv_heads], parts[heads + kv_heads:]
+    pair_size = np.abs(parts[:, :half]) + np.abs(parts[:, half:])  # |x1| + |x2| bounds each output
+    # cos/sin are float32 (one rounding each), then two products and a sum in float32.
+    np.testing.assert_array_less(np.abs(q.copy_to_host() - rope64(q_expected)),
+                                 8 * FP32_EPS * np.tile(pair_size[:heads], 2) + 1e-30)
+    page, slot = page_table[position // PAGE_SIZE], position % PAGE_SIZE
+    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    k_rot = rope64(k_expected)
+    np.testing.assert_array_less(np.abs(k_got[page, :, slot].astype(np.float64) - k_rot),
+                                 FP16_HALF_ULP * np.abs(k_rot)
+                                 + 8 * FP32_EPS * np.tile(pair_size[heads:heads + kv_heads], 2) + 2.0**-25)
+    np.testing.assert_array_equal(v_got[page, :, slot], v_expected.astype(np.float16))
+    untouched = np.ones(k_init.shape[:3], bool)
+    untouched[page, :, slot] = False
+    np.testing.assert_array_equal(k_got[untouched], k_init[untouched])
+    np.testing.assert_array_equal(v_got[untouched], v_init[untouched])
+
+
+def test_page_alloc_maps_the_new_page_to_the_next_free_one():
+    rng = np.random.default_rng()
+    table = rng.integers(0, 100, 8).astype(np.int32)
+    logical = int(rng.integers(0, 8))
+    free = int(rng.integers(0, 100))
+    d_table, d_free = cuda.to_device(table), cuda.to_device(np.array([free], np.int32))
+    run(lambda s: make_page_alloc().launch(s, cuda.to_device(np.array([logical * PAGE_SIZE], np.int32)),
+                                           d_table, d_free))
+    expected = table.copy()
+    expected[logical] = free
+    np.testing.assert_array_equal(d_table.copy_to_host(), expected)
+    assert d_free.copy_to_host()[0] == free + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+
+SMALL = dict(candidates=16, sort_size=64, argmax_threads=64)
+
+
+def sample_on_device(sampler: Sampler, method: str, logits: np.ndarray, params: SamplingParams, position: int):
+    tokens = cuda.to_device(np.full(position + 2, -1, np.int32))
+    pos = cuda.to_device(np.array([position], np.int32))
+    sampling, top_k, seed = (cuda.to_device(a) for a in device_params(params))
+    run(lambda s: sampler.launch(s, method, cuda.to_device(logits), sampling, top_k, seed, tokens, pos))
+    assert pos.copy_to_host()[0] == position + 1
+    got = tokens.copy_to_host()
+    assert (got[:position + 1] == -1).all(), "only tokens[pos + 1] may be written"
+    return int(got[position + 1])
+
+
+def random_logits(rng, vocab):
+    return (rng.standard_normal(vocab) * rng.uniform(1, 4)).astype(np.float32)
+
+
+def test_argmax_is_exact_and_takes_the_lowest_id_among_equal_maxima():
+    rng = np.random.default_rng()
+    vocab = 1000
+    sampler = Sampler(vocab, **SMALL)
+    logits = random_logits(rng, vocab)
+    ties = rng.choice(vocab, 3, replace=False)
+    logits[ties] = logits.max() + 1
+    position = int(rng.integers(0, 100))
+    assert sample_on_device(sampler, "argmax", logits, SamplingParams(), position) == ties.min()
+    assert ties.min() == np.argmax(logits)
+
+
+def test_prompt_method_only_advances_pos():
+    pos = cuda.to_device(np.array([7], np.int32))
+    tokens = cuda.to_device(np.arange(10, dtype=np.int32))
+    sampling, top_k, seed = (cuda.to_device(a) for a in device_params(SamplingParams()))
+    sampler = Sampler(100, **SMALL)
+    run(lambda s: sampler.launch(s, "prompt", cuda.to_device(np.zeros(100, np.float32)), sampling, top_k, seed,
+                                 tokens, pos))
+    assert pos.copy_to_host()[0] == 8
+    np.testing.assert_array_equal(tokens.copy_to_host(), np.arange(10))
+
+
+def test_temperature_sampling_is_the_gumbel_max_of_the_counter_uniforms():
+    rng = np.random.default_rng()
+    vocab = 700
+    sampler = Sampler(vocab, **SMALL)
+    for _ in range(2):
+        logits = random_logits(rng, vocab)
+        params = SamplingParams(temperature=float(rng.uniform(0.3, 2.0)), seed=int(rng.integers(0, 2**63)))
+        position = int(rng.integers(0, 10000))
+        got = sample_on_device(sampler, "argmax", logits, params, position)
+        noise = -np.log(-np.log(uniform_reference(params.seed, position, np.arange(vocab))))
+        perturbed = logits.astype(np.float64) / params.temperature + noise
+        # float32 arithmetic on the device: the winner must be the float64 winner unless the two
+        # best perturbed values are closer than the float32 error of computing them.
+        best, second = np.sort(perturbed)[-2:][::-1]
+        assert perturbed[got] >= best - 1e-4
+        if best - second > 1e-4:
+            assert got == int(np.argmax(perturbed))
+
+
+def expected_candidate_draw(logits, params, u, candidates):
+    """The token pynanoqwen.sampling defines, restricted to the top `candidates` logits, for uniform u;
+    also how far u is from the nearest boundary of the inverse CDF (to skip float32-ambiguous draws)."""
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")
+    z_vocab = np.exp(scaled - scaled[order[0]]).sum()
+    k = min(params.top_k or candidates, candidates)
+    order = order[:k]
+    weights = np.exp(scaled[order] - scaled[order[0]])
+    z = weights.sum() if params.top_k else z_vocab
+    cdf = np.cumsum(weights)
+    keep = int(np.sum(cdf[:-1] < params.top_p * z)) + 1
+    cdf = cdf[:keep] / cdf[keep - 1]
+    index = min(int(np.searchsorted(cdf, u, side="right")), keep - 1)
+    nucleus_margin = np.min(np.abs(np.cumsum(weights)[:k] / z - params.top_p)) if params.top_p < 1 else 1.0
+    return int(order[index]), min(np.min(np.abs(cdf - u)), nucleus_margin)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.6), (12, 0.8), (40, 0.95)])
+def test_candidate_sampling_matches_the_inverse_cdf_oracle(top_k, top_p):
+    rng = np.random.default_rng()
+    vocab = 300
+    sampler = Sampler(vocab, **SMALL)
+    logits = random_logits(rng, vocab)
+    params = SamplingParams(temperature=float(rng.uniform(0.5, 1.5)), top_k=top_k, top_p=top_p,
+                            seed=int(rng.integers(0, 2**63)))
+    position = int(rng.integers(0, 10000))
+    got = sample_on_device(sampler, "candidates", logits, params, position)
+    # The merge leaves the exact top `candidates` (larger logit, then lower id) in list 0, in order.
+    order = np.argsort(-logits, kind="stable")[:SMALL["candidates"]]
+    np.testing.assert_array_equal(sampler.candidate_indices.copy_to_host()[:SMALL["candidates"]], order)
+    np.testing.assert_array_equal(sampler.candidate_values.copy_to_host()[:SMALL["candidates"]], logits[order])
+    expected, margin = expected_candidate_draw(logits, params, uniform_reference(params.seed, position, vocab),
+                                               SMALL["candidates"])
+    if margin > 1e-5:  # float32 vs float64 can only disagree at a boundary of the CDF or the nucleus
+        assert got == expected
+    else:
+        assert got in np.argsort(-logits, kind="stable")[:SMALL["candidates"]]

@@ -1,0 +1,73 @@
+"""Every registered kernel (pynanoqwen.kernels.all_compile_targets) compiles for sm_90, contains
+the instructions it is built around, has no `call` if it is on the per-token path, and assembles
+for sm_90 without spilling registers. Run with -s to see registers and the hot loop's instructions.
+
+The assembler is nvJitLink's (the one numba-cuda itself uses to load kernels), asked for ptxas'
+verbose report: a standalone `ptxas` on PATH may be older than the NVVM that wrote the PTX
+(here CUDA 13.0's ptxas rejects the PTX ISA 9.5 that NVVM 13.5 emits).
+"""
+
+import collections
+import re
+
+import pytest
+from numba import cuda
+
+from pynanoqwen.kernels import all_compile_targets
+
+TARGETS = all_compile_targets()
+
+
+def assemble_sm90(ptx: str) -> str:
+    """ptxas' verbose report (registers, spills) for the PTX, assembled for sm_90 by nvJitLink."""
+    nvjitlink = pytest.importorskip("cuda.bindings.nvjitlink")
+    handle = nvjitlink.create(3, ["-arch=sm_90", "-O3", "-verbose"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        return log.decode(errors="replace")
+    finally:
+        nvjitlink.destroy(handle)
+
+
+def instructions(lines) -> collections.Counter:
+    """Opcode counts of PTX lines; an inline-asm block `{ ...; ...; }` counts each instruction."""
+    counts = collections.Counter()
+    for line in lines:
+        for statement in line.split("//")[0].strip(" \t{}").split(";"):
+            words = statement.split()
+            if words and words[0].startswith("@"):  # predicated: @%p1 bra ...
+                words = words[1:]
+            if words and re.fullmatch(r"[a-z][\w.:]*", words[0]) and not words[0].endswith(":"):
+                counts[words[0]] += 1
+    return counts
+
+
+def hottest_loop(ptx: str, markers) -> list[str]:
+    """The lines of the basic block (between PTX labels) holding most of the marker instructions."""
+    blocks = re.split(r"^\$L__BB\d+_\d+:", ptx, flags=re.M)
+    return max(blocks, key=lambda block: sum(block.count(m) for m in markers)).splitlines()
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
+def test_kernel_compiles_for_sm90(target):
+    ptx, _ = cuda.compile_ptx(target.py_func, target.signature, cc=(9, 0))
+    body = ptx[ptx.index(".entry"):]
+    counts = instructions(body.splitlines())
+    for instruction in target.must_contain:
+        assert counts[instruction] > 0, f"{target.name}: no {instruction} in its PTX"
+    if target.hot:
+        assert counts["call"] == 0, f"{target.name}: a hot kernel makes a function call"
+    assert ".local" not in ptx, f"{target.name}: uses local memory (an array Numba did not keep in registers)"
+
+    report = assemble_sm90(ptx)
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
+    registers = re.findall(r"Used (\d+) registers", report)
+    assert spills and registers, report
+    loop = instructions(hottest_loop(body, target.must_contain))
+    print(f"\n{target.name}: {registers[0]} registers, {spills[0]} bytes spilled; hot loop "
+          f"{sum(loop.values())} PTX instructions: " + ", ".join(f"{n} {op}" for op, n in loop.most_common()))
+    assert spills == [0] * len(spills), report
