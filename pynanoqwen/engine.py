@@ -1,0 +1,465 @@
+"""The GPU engine: a .nanoqwen model on the device, its buffers, KV pages and CUDA graphs.
+
+`CudaBackend` is what `generate --device cuda` runs (generate.Backend). Loading does everything
+that allocates, once:
+
+1. check that there is a GPU and that it has room for what step 2 allocates (`device_bytes`);
+2. copy each tensor of the file to the device, one host-to-device copy per tensor straight from
+   the mmap; q/k/v rows (and biases) go into one QKV matrix so that QKV is one GEMV;
+3. allocate the buffers of docs/DECODE.md: per-step state, activations, the paged KV cache
+   (FP16, max_context / 16 pages of 16 positions per layer) and the RoPE tables;
+4. build the kernels (dims baked in) and run one step of each kind eagerly, which compiles them;
+5. capture six CUDA graphs (graphs.py): {prompt, argmax, candidates} (kernels/sampling.py) x
+   {same page, new page}; a step at a position p with p % 16 == 0 starts a KV page, so its
+   graph begins with page_alloc.
+
+A step is then one cuGraphLaunch (or, with eager=True, the same kernels launched one by one).
+Everything that changes between steps lives in device memory: the position, the tokens (the
+embedding reads tokens[pos], the sampler writes tokens[pos + 1] and advances pos), the page
+table and the sampling parameters.
+
+Generation: the prompt runs through the decode path one token at a time (the "prompt" graphs,
+without lm_head), then the first sampled token, then one step per token. The host learns each
+token by a 4-byte copy into pinned memory and an event; it launches step p + 1 before waiting
+for the token of step p, so the GPU never idles on the host, and a stop token costs one wasted
+step whose results the next generation overwrites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from numba import cuda
+from numba.cuda.core.errors import NumbaPerformanceWarning
+
+from .config import GROUP_SIZE, ModelConfig
+from .errors import NanoQwenError
+from .fileformat import NanoQwenFile
+from .graphs import CudaGraph, capture
+from .kernels.attention_decode import default_num_splits, make_decode_attention
+from .kernels.embedding import make_embedding
+from .kernels.gemv_fp16 import fp16_gemv_bytes, make_gemv_fp16
+from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
+from .kernels.page_alloc import PAGE_SIZE, make_page_alloc
+from .kernels.rmsnorm import make_rmsnorm
+from .kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
+from .kernels.sampling import METHODS, Sampler, device_params, method_for
+from .sampling import SamplingParams
+from .tensors import QWEIGHT, SCALES, layer_prefix, stored_tensors
+
+# Decode launches one-block kernels on purpose (RMSNorm, sampling); Numba warns about each one.
+warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
+
+RESERVED_BYTES = 512 * 2**20  # CUDA context, kernel modules, graphs, workspaces: kept free on top
+
+
+def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int) -> dict[str, int]:
+    """What the engine allocates on the device for a model whose file tensors total weight_bytes."""
+    pages = -(-max_context // PAGE_SIZE)
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    splits = default_num_splits(cfg.num_kv_heads)
+    return {
+        "weights": weight_bytes,
+        "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
+        "rope tables": 2 * max_context * (cfg.head_dim // 2) * 4,
+        "activations and state": (6 * cfg.hidden_size + 4 * qkv + 6 * cfg.q_size + 2 * cfg.intermediate_size
+                                  + 4 * cfg.vocab_size + 4 * (max_context + 1) + 4 * pages + 64),
+        "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
+                       + 4 * cfg.num_kv_heads),
+        "reserve": RESERVED_BYTES,
+    }
+
+
+def stored_nbytes(cfg: ModelConfig, lm_head_int4: bool) -> dict[str, int]:
+    """Bytes of each tensor a model stores (tensors.stored_tensors), all of which the engine copies."""
+    return {name: math.prod(shape) * np.dtype(dtype).itemsize
+            for name, (dtype, shape) in stored_tensors(cfg, lm_head_int4).items()}
+
+
+def _require_gpu() -> None:
+    from .generate import cuda_gpu_available
+
+    if not cuda_gpu_available():
+        raise NanoQwenError("no CUDA GPU with compute capability 9.0 or newer found; use --device cpu")
+
+
+def _check_free_memory(needed: dict[str, int], max_context: int) -> None:
+    free, total = cuda.current_context().get_memory_info()
+    if sum(needed.values()) > free:
+        parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in needed.items())
+        raise NanoQwenError(f"the model needs {sum(needed.values()) / 2**30:.2f} GiB of GPU memory ({parts} GiB, "
+                            f"at max_context {max_context}) but only {free / 2**30:.2f} of {total / 2**30:.2f} GiB "
+                            "are free; lower --max-context or free the GPU")
+
+
+@dataclasses.dataclass
+class Layer:
+    """One decoder layer on the device: norms, its four GEMVs (which hold the INT4 weights) and
+    its KV pages, views into the engine's pool."""
+
+    input_norm: object
+    post_attention_norm: object
+    qkv: object
+    o_proj: object
+    gate_up: object
+    down: object
+    k_pages: object
+    v_pages: object
+
+
+class CudaBackend:
+    """A .nanoqwen model on an NVIDIA GPU (sm_90), decoding through CUDA graphs (generate.Backend)."""
+
+    def __init__(self, model, *, max_context: int = 32768, gemv: str = "prmt", eager: bool = False,
+                 verify_data: bool = True):
+        """`model`: a .nanoqwen path, or any reference.WeightSource (.config, .lm_head_int4,
+        .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums."""
+        _require_gpu()
+        if gemv not in ("prmt", "dp4a"):
+            raise NanoQwenError(f"gemv must be 'prmt' or 'dp4a', got {gemv!r}")
+        self.max_context = max_context
+        self.gemv = gemv
+        self.eager = eager
+        is_path = isinstance(model, (str, os.PathLike))
+        weights = NanoQwenFile(model, verify_data=verify_data) if is_path else model
+        try:
+            cfg = self.config = weights.config
+            self.lm_head_int4 = weights.lm_head_int4
+            if not 1 <= max_context <= cfg.max_position_embeddings:
+                raise NanoQwenError(f"max_context {max_context} must be between 1 and the model's "
+                                    f"max_position_embeddings {cfg.max_position_embeddings}")
+            self.memory = device_bytes(cfg, sum(stored_nbytes(cfg, self.lm_head_int4).values()), max_context)
+            _check_free_memory(self.memory, max_context)
+            device = cuda.get_current_device().name
+            device = device.decode() if isinstance(device, bytes) else device
+            self.name = f"cuda ({device}, INT4 {gemv} GEMV, {'eager launches' if eager else 'CUDA graphs'})"
+            self.stream = cuda.stream()
+            self._load_weights(weights)
+        finally:
+            if is_path:
+                weights.close()
+        self._allocate_buffers()
+        self._build_kernels()
+        self.graphs: dict[tuple[str, bool], CudaGraph] = {}
+        self._compile()
+        if not eager:
+            self._capture_graphs()
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _copy(self, array: np.ndarray):
+        """One host-to-device copy of a stored tensor (for a file, a view of its mmap)."""
+        return cuda.to_device(array, stream=self.stream)
+
+    def _load_weights(self, file) -> None:
+        cfg, s = self.config, self.stream
+        self.embed_tokens = self._copy(file.tensor("model.embed_tokens.weight"))
+        self.final_norm = self._copy(file.tensor("model.norm.weight"))
+        q, kv = cfg.q_size, cfg.kv_size
+        qkv_rows = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv)))
+        self.layers: list[Layer] = []
+        for index in range(cfg.num_layers):
+            p = layer_prefix(index)
+            # One QKV matrix: the three projections' rows stacked, each copied into its slice.
+            qkv_q = cuda.device_array((q + 2 * kv, cfg.hidden_size // 8), np.uint32)
+            qkv_s = cuda.device_array((q + 2 * kv, cfg.hidden_size // GROUP_SIZE), np.float16)
+            qkv_bias = cuda.device_array(q + 2 * kv, np.float16)
+            for module, rows in qkv_rows:
+                name = f"{p}self_attn.{module}"
+                qkv_q[rows].copy_to_device(file.tensor(name + ".weight" + QWEIGHT), stream=s)
+                qkv_s[rows].copy_to_device(file.tensor(name + ".weight" + SCALES), stream=s)
+                qkv_bias[rows].copy_to_device(file.tensor(name + ".bias"), stream=s)
+
+            def linear(module: str):
+                name = p + module + ".weight"
+                return self._copy(file.tensor(name + QWEIGHT)), self._copy(file.tensor(name + SCALES))
+
+            o_q, o_s = linear("self_attn.o_proj")
+            gate_q, gate_s = linear("mlp.gate_proj")
+            up_q, up_s = linear("mlp.up_proj")
+            down_q, down_s = linear("mlp.down_proj")
+            h, i = cfg.hidden_size, cfg.intermediate_size
+            self.layers.append(Layer(
+                input_norm=self._copy(file.tensor(p + "input_layernorm.weight")),
+                post_attention_norm=self._copy(file.tensor(p + "post_attention_layernorm.weight")),
+                qkv=make_gemv_int4(q + 2 * kv, h, qkv_q, qkv_s, path=self.gemv, bias=qkv_bias),
+                o_proj=make_gemv_int4(h, q, o_q, o_s, path=self.gemv),
+                gate_up=make_gate_up_silu(i, h, gate_q, gate_s, up_q, up_s, path=self.gemv),
+                down=make_gemv_int4(h, i, down_q, down_s, path=self.gemv),
+                k_pages=None, v_pages=None))
+        # Weight bytes one step reads: everything but the embedding table, of which it reads one
+        # row, unless the table is also the (tied, FP16) lm_head.
+        stored = stored_nbytes(cfg, file.lm_head_int4)
+        embed_bytes = stored["model.embed_tokens.weight"]
+        self.weight_bytes_per_step = sum(stored.values()) - embed_bytes + 2 * cfg.hidden_size
+        if file.lm_head_int4:
+            self.lm_head = make_gemv_int4(cfg.vocab_size, cfg.hidden_size,
+                                          self._copy(file.tensor("lm_head.weight" + QWEIGHT)),
+                                          self._copy(file.tensor("lm_head.weight" + SCALES)), path=self.gemv)
+        elif cfg.tie_word_embeddings:  # the FP16 lm_head *is* the embedding table: no second copy
+            self.lm_head = make_gemv_fp16(cfg.vocab_size, cfg.hidden_size, self.embed_tokens)
+            self.weight_bytes_per_step += embed_bytes
+        else:
+            self.lm_head = make_gemv_fp16(cfg.vocab_size, cfg.hidden_size, self._copy(file.tensor("lm_head.weight")))
+        self.stream.synchronize()  # a file's mmap closes next: every copy from it must be done
+
+    def _allocate_buffers(self) -> None:
+        cfg = self.config
+        self.max_pages = -(-self.max_context // PAGE_SIZE)
+        # Per-step state (docs/DECODE.md).
+        self.pos = cuda.device_array(1, np.int32)
+        self.tokens = cuda.device_array(self.max_context + 1, np.int32)
+        self.page_table = cuda.device_array(self.max_pages, np.int32)
+        self.next_free_page = cuda.device_array(1, np.int32)
+        self.sampling = cuda.device_array(2, np.float32)
+        self.top_k = cuda.device_array(1, np.int32)
+        self.seed = cuda.device_array(1, np.uint64)
+        # Activations of one token.
+        self.h = cuda.device_array(cfg.hidden_size, np.float32)
+        self.xn = cuda.device_array(cfg.hidden_size, np.float16)
+        self.qkv = cuda.device_array(cfg.q_size + 2 * cfg.kv_size, np.float32)
+        self.q = cuda.device_array((cfg.num_heads, cfg.head_dim), np.float32)
+        self.attn = cuda.device_array(cfg.q_size, np.float16)
+        self.mlp = cuda.device_array(cfg.intermediate_size, np.float16)
+        self.logits = cuda.device_array(cfg.vocab_size, np.float32)
+        # The KV page pool, zeroed once so that no page ever holds NaN bit patterns.
+        shape = (cfg.num_layers, self.max_pages, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
+        self.k_pool = cuda.device_array(shape, np.float16)
+        self.v_pool = cuda.device_array(shape, np.float16)
+        from numba.cuda.cudadrv.driver import device_memset
+
+        for pool in (self.k_pool, self.v_pool):
+            device_memset(pool, 0, pool.nbytes, stream=self.stream)
+        for index, layer in enumerate(self.layers):
+            layer.k_pages, layer.v_pages = self.k_pool[index], self.v_pool[index]
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, self.max_context)
+        self.rope_cos, self.rope_sin = self._copy(cos), self._copy(sin)
+        # The host side of token streaming: two pinned slots, each with the event of its copy.
+        self.host_tokens = cuda.pinned_array(2, np.int32)
+        self.token_ready = [cuda.event(timing=False) for _ in range(2)]
+
+    def _build_kernels(self) -> None:
+        cfg = self.config
+        self.embedding = make_embedding(cfg.hidden_size)
+        self.rmsnorm = make_rmsnorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_kv_write = make_rope_kv_write(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attention = make_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_pages)
+        self.page_alloc = make_page_alloc()
+        self.sampler = Sampler(cfg.vocab_size)
+
+    def _compile(self) -> None:
+        """Launch every kernel once (Numba compiles on first launch), each sampling method once."""
+        for method in METHODS:
+            self.reset([0], SamplingParams(temperature=1.0, top_k=2))
+            self._enqueue_step(method, new_page=True)
+        self.stream.synchronize()
+
+    def _capture_graphs(self) -> None:
+        for method in METHODS:
+            for new_page in (False, True):
+                self.graphs[method, new_page] = capture(self.stream,
+                                                        functools.partial(self._enqueue_step, method, new_page))
+
+    def close(self) -> None:
+        """Free the graphs (device memory goes when the arrays are garbage collected)."""
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def _enqueue_layer(self, layer: Layer) -> None:
+        s = self.stream
+        self.rmsnorm.launch(s, self.h, layer.input_norm, self.xn)
+        layer.qkv.launch(s, self.xn, self.qkv)
+        self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, self.pos, self.page_table, self.q,
+                                  layer.k_pages, layer.v_pages)
+        self.attention.launch(s, self.q, layer.k_pages, layer.v_pages, self.page_table, self.pos, self.attn)
+        layer.o_proj.launch(s, self.attn, self.h, residual=True)
+        self.rmsnorm.launch(s, self.h, layer.post_attention_norm, self.xn)
+        layer.gate_up.launch(s, self.xn, self.mlp)
+        layer.down.launch(s, self.mlp, self.h, residual=True)
+
+    def _enqueue_lm_head(self) -> None:
+        self.rmsnorm.launch(self.stream, self.h, self.final_norm, self.xn)
+        self.lm_head.launch(self.stream, self.xn, self.logits)
+
+    def _enqueue_step(self, method: str, new_page: bool) -> None:
+        """The kernels of one decode step, in order (docs/DECODE.md), on self.stream."""
+        s = self.stream
+        if new_page:
+            self.page_alloc.launch(s, self.pos, self.page_table, self.next_free_page)
+        self.embedding.launch(s, self.embed_tokens, self.tokens, self.pos, self.h)
+        for layer in self.layers:
+            self._enqueue_layer(layer)
+        if method != "prompt":
+            self._enqueue_lm_head()
+        self.sampler.launch(s, method, self.logits, self.sampling, self.top_k, self.seed, self.tokens, self.pos)
+
+    def step(self, position: int, method: str) -> None:
+        """Enqueue the step of the token at `position` (it must equal the device's pos)."""
+        new_page = position % PAGE_SIZE == 0
+        if self.eager:
+            self._enqueue_step(method, new_page)
+        else:
+            self.graphs[method, new_page].launch(self.stream)
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    def reset(self, prompt_ids, params: SamplingParams) -> None:
+        """Start a sequence: the prompt in tokens[0:n], pos 0, an empty KV cache, these params."""
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise NanoQwenError("the prompt has no tokens")
+        if len(ids) > self.max_context:
+            raise NanoQwenError(f"the prompt is {len(ids)} tokens, more than max_context {self.max_context}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise NanoQwenError(f"token id {int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])} is outside "
+                                f"the vocabulary [0, {self.config.vocab_size})")
+        s = self.stream
+        self.tokens[:len(ids)].copy_to_device(ids.astype(np.int32), stream=s)
+        self.pos.copy_to_device(np.zeros(1, np.int32), stream=s)
+        self.next_free_page.copy_to_device(np.zeros(1, np.int32), stream=s)
+        for buffer, value in zip((self.sampling, self.top_k, self.seed), device_params(params)):
+            buffer.copy_to_device(value, stream=s)
+
+    def _request_token(self, index: int) -> None:
+        """Start copying tokens[index] to the host (4 bytes into a pinned slot)."""
+        slot = index % 2
+        self.tokens[index:index + 1].copy_to_host(self.host_tokens[slot:slot + 1], stream=self.stream)
+        self.token_ready[slot].record(self.stream)
+
+    def _wait_token(self, index: int) -> int:
+        slot = index % 2
+        self.token_ready[slot].synchronize()
+        return int(self.host_tokens[slot])
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Iterator[int]:
+        """generate.Backend: run the prompt, then yield each sampled id as soon as it is known."""
+        n = len(prompt_ids)
+        if n + max_new_tokens > self.max_context:
+            raise NanoQwenError(f"{n} prompt tokens + {max_new_tokens} new ones exceed max_context "
+                                f"{self.max_context}")
+        method = method_for(params)
+        self.reset(prompt_ids, params)
+        if max_new_tokens < 1:
+            return
+        for position in range(n - 1):
+            self.step(position, "prompt")
+        self.step(n - 1, method)
+        self._request_token(n)
+        for i in range(max_new_tokens):
+            position = n - 1 + i  # the step whose sampled token is tokens[position + 1]
+            if i + 1 < max_new_tokens:
+                self.step(position + 1, method)
+                self._request_token(position + 2)
+            token = self._wait_token(position + 1)
+            yield token
+            if token in stop_ids:
+                return
+
+    def bytes_per_step(self, context: int) -> int:
+        """Bytes a decode step must read from memory at `context` cached positions: the weights
+        (once) and the K and V of every layer (the roofline's numerator)."""
+        cfg = self.config
+        return self.weight_bytes_per_step + 2 * cfg.num_layers * context * cfg.kv_size * 2
+
+    # -- measurement and validation helpers (bench.py, tests/test_engine_gpu.py, scripts/gpu_check.py)
+
+    def device_memory_used(self) -> int:
+        """Bytes of device memory in use on this GPU (total - free): the engine's buffers and
+        workspaces, the CUDA context and its modules, and whatever else holds memory there."""
+        free, total = cuda.current_context().get_memory_info()
+        return total - free
+
+    def kernel_groups(self, context: int = 512,
+                      method: str = "argmax") -> list[tuple[str, Callable[[], None], int, int]]:
+        """One decode step's kernels grouped by type, for timing each group in its own CUDA graph.
+
+        Each group is (name, enqueue, launches, bytes): enqueue() makes every launch of that type
+        that one step makes (per layer, with that layer's weights, so the L2 does not keep them),
+        bytes is the memory traffic they must cause (reads and writes). RoPE/KV-write and
+        attention run at position `context` through a private pos and an identity page table,
+        and the sampler through a private pos and tokens buffer, so no group needs a sequence;
+        RoPE/KV-write does overwrite the K/V slot of position `context` of the first pages, so
+        time groups between generations. Left out: page_alloc (one thread, once every 16 steps).
+        Allocates its private buffers when called, never while generating.
+        """
+        if not 0 <= context < self.max_context:
+            raise NanoQwenError(f"context {context} must be below max_context {self.max_context}")
+        cfg, s, layers = self.config, self.stream, self.layers
+        h, i, q_size, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.vocab_size
+        qkv = q_size + 2 * cfg.kv_size
+        at_context = cuda.to_device(np.array([context], np.int32), stream=s)
+        identity_pages = cuda.to_device(np.arange(self.max_pages, dtype=np.int32), stream=s)
+        sampler_pos = cuda.to_device(np.zeros(1, np.int32), stream=s)
+        sampler_tokens = cuda.device_array(self.max_context + 1, np.int32)
+        lm_head_bytes = (gemv_bytes(vocab, h) if self.lm_head_int4 else fp16_gemv_bytes(vocab, h)) + 4 * vocab
+        return [
+            ("embedding", lambda: self.embedding.launch(s, self.embed_tokens, self.tokens, self.pos, self.h),
+             1, 6 * h),
+            ("rmsnorm", lambda: [self.rmsnorm.launch(s, self.h, w, self.xn) for layer in layers
+                                 for w in (layer.input_norm, layer.post_attention_norm)]
+             + [self.rmsnorm.launch(s, self.h, self.final_norm, self.xn)], 2 * len(layers) + 1,
+             (2 * len(layers) + 1) * 8 * h),
+            (f"qkv gemv {self.gemv}", lambda: [layer.qkv.launch(s, self.xn, self.qkv) for layer in layers],
+             len(layers), len(layers) * (gemv_bytes(qkv, h) + 6 * qkv)),
+            ("rope_kv_write", lambda: [self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, at_context,
+                                                                 identity_pages, self.q, layer.k_pages, layer.v_pages)
+                                       for layer in layers],
+             len(layers), len(layers) * (4 * qkv + 4 * q_size + 4 * cfg.kv_size + 4 * cfg.head_dim)),
+            (f"attention ctx {context + 1}", lambda: [self.attention.launch(s, self.q, layer.k_pages, layer.v_pages,
+                                                                            identity_pages, at_context, self.attn)
+                                                      for layer in layers],
+             len(layers), len(layers) * (4 * (context + 1) * cfg.kv_size + 6 * q_size)),
+            (f"o_proj gemv {self.gemv}", lambda: [layer.o_proj.launch(s, self.attn, self.h, residual=True)
+                                                  for layer in layers],
+             len(layers), len(layers) * (gemv_bytes(h, q_size) + 8 * h)),
+            (f"gate_up_silu {self.gemv}", lambda: [layer.gate_up.launch(s, self.xn, self.mlp) for layer in layers],
+             len(layers), len(layers) * (2 * gemv_bytes(i, h) + 2 * i)),
+            (f"down gemv {self.gemv}", lambda: [layer.down.launch(s, self.mlp, self.h, residual=True)
+                                                for layer in layers],
+             len(layers), len(layers) * (gemv_bytes(h, i) + 8 * h)),
+            (f"lm_head {'gemv ' + self.gemv if self.lm_head_int4 else 'gemv fp16'}",
+             lambda: self.lm_head.launch(s, self.xn, self.logits), 1, lm_head_bytes),
+            (f"sampling {method}", lambda: self.sampler.launch(s, method, self.logits, self.sampling, self.top_k,
+                                                               self.seed, sampler_tokens, sampler_pos),
+             1, 4 * vocab),
+        ]
+
+
+    def teacher_forced_logits(self, token_ids) -> np.ndarray:
+        """float32 logits [len(token_ids), vocab]: row p after running token_ids[0..p] (each step
+        is the prompt step, then the final norm and lm_head)."""
+        self.reset(token_ids, SamplingParams())
+        out = np.empty((len(token_ids), self.config.vocab_size), dtype=np.float32)
+        for position in range(len(token_ids)):
+            self.step(position, "prompt")
+            self._enqueue_lm_head()
+            self.logits.copy_to_host(out[position], stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def layer_outputs(self, layer: int, hidden_states: np.ndarray) -> np.ndarray:
+        """Run float32 hidden states [seq, hidden] through decoder layer `layer` alone, as the
+        tokens at positions 0..seq-1 (filling that layer's KV cache); returns [seq, hidden]."""
+        self.reset([0], SamplingParams())
+        x = np.ascontiguousarray(hidden_states, dtype=np.float32)
+        out = np.empty_like(x)
+        for position in range(len(x)):
+            if position % PAGE_SIZE == 0:
+                self.page_alloc.launch(self.stream, self.pos, self.page_table, self.next_free_page)
+            self.h.copy_to_device(x[position], stream=self.stream)
+            self._enqueue_layer(self.layers[layer])
+            self.h.copy_to_host(out[position], stream=self.stream)
+            self.sampler.launch(self.stream, "prompt", self.logits, self.sampling, self.top_k, self.seed,
+                                self.tokens, self.pos)
+            self.stream.synchronize()
+        return out
