@@ -1,6 +1,7 @@
 """INT4 tensor-core GEMM on the GPU: every 7B linear (with the epilogue prefill uses there) at
-M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, and the
-TFLOP/s it reaches at M = 512 and 2048 for each tile shape (run with -s to see it).
+M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, every
+tile shape the throughput report compares at M = 512, and the TFLOP/s each reaches at M = 512 and
+2048 (run with -s to see it).
 
 Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact dequantized weights):
 - the kernel rounds each weight (u - 8) s to FP16 once: u16 mag (scales here are far above the
@@ -12,7 +13,10 @@ Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact deq
   sum |p|). Over the K/16 steps, with every |c| <= mag (1 + u16)(1 + 0.3%) (the sums' own growth),
   the accumulated error is at most 37 (K/16 + 1) u32 mag;
 - epilogues: one FP32 rounding of the bias or residual add (u32 |result|), the FP16 store
-  (u16 |result|, or 2^-25 absolute below the normal range), silu in float32 (a few u32).
+  (u16 |result|, or 2^-25 absolute below the normal range), silu in float32 (a few u32);
+- split-K over S blocks: each block's partial product obeys the accumulation bound over its own
+  K/S (together within the one above), and the S atomic adds into the residual each round once,
+  to a running sum of at most |out| + 1.01 mag: S u32 (|out| + 1.01 mag).
 The bound is a worst case (~5e-4 mag at K = 3584); a fragment or layout mistake is O(mag).
 """
 
@@ -20,7 +24,8 @@ import numpy as np
 import pytest
 
 from pynanoqwen.gpu_timing import L2_BYTES, time_graph
-from pynanoqwen.kernels.gemm_int4 import LARGE, MEDIUM, SMALL, gemm_flops, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import LARGE, LARGE_SPLIT_K, MEDIUM, NARROW, TILE_NAMES, WIDE, gemm_flops, \
+    make_gate_up_silu_gemm, make_gemm_int4
 from pynanoqwen.quant import dequantize_int4
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +35,12 @@ HIDDEN, INTERMEDIATE, QKV = 3584, 18944, 4608
 PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
 SHAPES = [("qkv", QKV, HIDDEN, "bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "gate_up_silu"), ("down_proj", HIDDEN, INTERMEDIATE, "residual")]
+VARIANTS = {512: (LARGE, MEDIUM, WIDE, NARROW, LARGE_SPLIT_K), 2048: (LARGE, WIDE, LARGE_SPLIT_K)}
+
+
+def variants(m, epilogue):
+    """The tile shapes the report compares at M = m; split-K only where the epilogue adds."""
+    return [tiles for tiles in VARIANTS[m] if tiles.splits == 1 or epilogue == "residual"]
 
 
 def random_int4(rng, n, k):
@@ -61,16 +72,14 @@ def run_gemm(gemm, x, out, m, **epilogue):
     return result[:m].astype(np.float64)
 
 
-@pytest.mark.parametrize("m", [1, 7, 64, 512, 2048])
-@pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
-def test_gemm_7b_shapes(name, n, k, epilogue, m):
+def check_against_float64(name, n, k, epilogue, m, tile_shapes):
+    """Run the shape's GEMM with each tile shape (None: the default for m) on one fresh random
+    problem and check every result against the float64 reference within the derived bound."""
     rng = np.random.default_rng()
     x = rng.standard_normal((m + 5, k)).astype(np.float16)  # rows past m: never read into the result
     x64 = x[:m].astype(np.float64)
     if epilogue == "gate_up_silu":
         (gate_q, gate_s), (up_q, up_s) = random_int4(rng, n, k), random_int4(rng, n, k)
-        mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s)
-        y = run_gemm(mlp, x, np.full((m + 5, n), np.nan, np.float16), m)
         g, g_magnitude = reference(gate_q, gate_s, x64)
         u, u_magnitude = reference(up_q, up_s, x64)
         bound_g, bound_u = accumulation_bound(g_magnitude, k), accumulation_bound(u_magnitude, k)
@@ -80,22 +89,45 @@ def test_gemm_7b_shapes(name, n, k, epilogue, m):
         # (slope <= 1.1) and the product.
         bound = (U16 + 8 * U32) * np.abs(expected) + 2.0**-25 + 1.1 * np.abs(u) * bound_g \
             + (np.abs(silu) + 1.1 * bound_g) * bound_u
+        runs = [(make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=tiles), tiles,
+                 np.full((m + 5, n), np.nan, np.float16), {}) for tiles in tile_shapes]
     else:
         qweight, scales = random_int4(rng, n, k)
         bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
         out = rng.standard_normal((m + 5, n)).astype(np.float32)  # residual adds to fresh values
-        gemm = make_gemm_int4(n, k, qweight, scales, bias=bias)
-        y = run_gemm(gemm, x, out, m, residual=epilogue == "residual")
         expected, magnitude = reference(qweight, scales, x64)
         expected += bias if epilogue == "bias" else out[:m]
-        bound = accumulation_bound(magnitude, k) + U32 * np.abs(expected)
-    error = np.abs(y - expected)
-    worst = np.unravel_index(np.argmax(error / bound), error.shape)
-    assert np.all(error <= bound), (name, m, worst, y[worst], expected[worst], bound[worst])
+        unsplit_bound = accumulation_bound(magnitude, k) + U32 * np.abs(expected)
+        runs = [(make_gemm_int4(n, k, qweight, scales, bias=bias, tiles=tiles), tiles, out,
+                 {"residual": epilogue == "residual"}) for tiles in tile_shapes]
+    for gemm, tiles, out, epilogue_args in runs:
+        if epilogue != "gate_up_silu":
+            splits = tiles.splits if tiles else 1
+            bound = unsplit_bound if splits == 1 else \
+                accumulation_bound(magnitude, k) + splits * U32 * (np.abs(out[:m]) + 1.01 * magnitude)
+        y = run_gemm(gemm, x, out, m, **epilogue_args)
+        error = np.abs(y - expected)
+        worst = np.unravel_index(np.argmax(error / bound), error.shape)
+        label = TILE_NAMES[tiles] if tiles else "default"
+        assert np.all(error <= bound), (name, m, label, worst, y[worst], expected[worst], bound[worst])
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 512, 2048])
+@pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gemm_7b_shapes(name, n, k, epilogue, m):
+    check_against_float64(name, n, k, epilogue, m, [None])
+
+
+@pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
+def test_gemm_tile_variants(name, n, k, epilogue):
+    """Every tile shape the throughput report times computes the same function (M = 512)."""
+    check_against_float64(name, n, k, epilogue, 512, variants(512, epilogue))
 
 
 def test_gemm_throughput_report():
     """TFLOP/s per shape, M and tile shape (LARGE is the default from M = 65 on), in CUDA graphs.
+    large 128 x 128 (4 warps of 64 x 64), medium 64 x 128, wide 128 x 256 (8 warps of 64 x 64),
+    narrow 128 x 64 (4 warps of 64 x 32), large_split_k: large over two halves of K (residual).
 
     Enough copies of the weights are rotated that together they exceed twice the L2, so each call
     reads its weights from HBM, as a prefill does layer after layer; x stays in L2 as it would."""
@@ -103,7 +135,7 @@ def test_gemm_throughput_report():
 
     rng = np.random.default_rng()
     stream = cuda.stream()
-    print(f"\nshape                    M  tile     us/call  TFLOP/s  % of {PEAK / 1e12:.0f}")
+    print(f"\nshape                    M  tile            us/call  TFLOP/s  % of {PEAK / 1e12:.0f}")
     for name, n, k, epilogue in SHAPES:
         matrices = 2 if epilogue == "gate_up_silu" else 1
         weight_bytes = matrices * (n * k // 2 + n * k // 64)
@@ -114,7 +146,7 @@ def test_gemm_throughput_report():
         for m in (512, 2048):
             x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
             out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
-            for label, tiles in (("large", LARGE), ("medium", MEDIUM), ("small", SMALL)):
+            for tiles in variants(m, epilogue):
                 if matrices == 2:
                     gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) for w in weights]
                     epilogue_args = {}
@@ -125,6 +157,6 @@ def test_gemm_throughput_report():
                 seconds = time_graph(stream, lambda: [gemms[i % copies].launch(stream, x, out, m, **epilogue_args)
                                                       for i in range(calls)], replays=5) / calls
                 flops = gemm_flops(m, n, k, matrices)
-                print(f"{name} {n}x{k}".ljust(22) + f"{m:5d}  {label:6s} {seconds * 1e6:9.1f} "
+                print(f"{name} {n}x{k}".ljust(22) + f"{m:5d}  {TILE_NAMES[tiles]:13s} {seconds * 1e6:9.1f} "
                       f"{flops / seconds / 1e12:8.1f}  {100 * flops / seconds / PEAK:5.1f}")
                 assert flops / seconds < PEAK  # faster than the tensor cores: the timing is broken

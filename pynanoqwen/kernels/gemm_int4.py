@@ -6,8 +6,9 @@ layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128
 bandwidth problem. The weights are dequantized on the fly, in registers, straight into the B
 operand of `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style.
 
-Launch shape. grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N threads. Block
-(i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x share a weight
+Launch shape. grid = (ceil(M / BLOCK_M), N / COLS, SPLITS), block = 32 * WARPS_M * WARPS_N
+threads. Block (i, j, z) computes rows BLOCK_M*i.. of columns COLS*j.. over the z-th of SPLITS
+equal shares of K (SPLITS = 1 but for split-K, below); blocks next to each other in x share a weight
 tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the block's output:
 WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per tile. The default
 tile (`LARGE`) is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
@@ -44,8 +45,21 @@ Epilogues (closure constants, one kernel build each): `plain` out = XW^T; `bias`
 `gate_up_silu` out (float16) = silu(X Wg^T) * (X Wu^T). Output float32 or float16 [M, N].
 
 Cost per 32-wide k tile and warp of LARGE: 64 mma, 8 ld.shared.v4 + 8 ld.shared.b32, 8 words
-unpacked (112 ALU instructions), ~5 cp.async. Measured: not yet (tests/test_gemm_gpu.py prints
-TFLOP/s against the ~790 TFLOP/s the H200 reaches in bf16).
+unpacked (112 ALU instructions), ~5 cp.async; 226-228 registers (ptxas), so two 4-warp blocks fit
+an SM. Per block and k tile it moves 8 KiB of activations and 2 KiB of weights from L2 for 1 MFLOP.
+Measured on the H200 (bench/logs/2026-11-30-gemm-first-run.log, tests/test_gemm_gpu.py): 269
+TFLOP/s on gate_up at M = 512 and 2048, 160-176 on o_proj and down_proj at M = 512, of the ~790
+the H200 reaches in bf16 through PyTorch (wgmma; mma.sync cannot reach that).
+
+Other tiles, for the grid rather than the warp (the warp tile stays 64 x 64 or smaller):
+- At M = 512 a 3584-wide output is 4 x 28 = 112 LARGE blocks for 132 SMs, one 4-warp block on
+  most of them. Split-K (`splits`) runs each block over a share of K and has it add its partial
+  product into the float32 residual with atomic adds: LARGE_SPLIT_K doubles the blocks. Only the
+  residual epilogue can do this (it already adds into `out`); the sum order of the partials is
+  whichever block finishes first, so results may differ in the last bit between runs.
+- WIDE (128 x 256, 8 warps) shares each activation tile among twice the weight rows: 6 KiB from
+  L2 per MFLOP instead of 10; its 48 KiB ring is the static limit. NARROW (128 x 64) doubles
+  LARGE's blocks for small N without shortening the warps' M.
 
 API (the prefill path builds these once per layer):
 
@@ -99,6 +113,7 @@ class TileShape:
     warps_m: int
     warps_n: int
     stages: int = 4
+    splits: int = 1  # split-K: blocks along K, each adding its partial product atomically (residual only)
 
     def check(self, matrices: int) -> None:
         """Raise ValueError unless every warp gets whole 16 x 8 mma tiles (of each matrix), the
@@ -106,7 +121,7 @@ class TileShape:
         warp_m, warp_n = self.block_m // self.warps_m, self.block_n // self.warps_n
         if self.block_m % (16 * self.warps_m) or self.block_n % (8 * matrices * self.warps_n) \
                 or warp_n % (8 * matrices) or not 2 <= self.stages <= TILES_PER_GROUP + 1 \
-                or self.shared_bytes > STATIC_SHARED_BYTES:
+                or self.shared_bytes > STATIC_SHARED_BYTES or self.splits < 1:
             raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
                              f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
                              f"{STATIC_SHARED_BYTES} bytes of shared memory")
@@ -123,6 +138,11 @@ class TileShape:
 LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: the prefill tile
 MEDIUM = TileShape(64, 128, 2, 2)  # warps of 32 x 64: twice the blocks for short prompts
 SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
+WIDE = TileShape(128, 256, 2, 4)  # 8 warps of 64 x 64: the activation tile serves twice the weights
+NARROW = TileShape(128, 64, 2, 2)  # warps of 64 x 32: twice LARGE's blocks where N is small
+LARGE_SPLIT_K = TileShape(128, 128, 2, 2, splits=2)  # LARGE over two halves of K (residual GEMMs)
+TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NARROW: "narrow",
+              LARGE_SPLIT_K: "large_split_k"}
 
 
 def default_tiles(m: int) -> TileShape:
@@ -161,11 +181,13 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
-    BLOCK_M, BLOCK_N, STAGES, THREADS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads
+    BLOCK_M, BLOCK_N, STAGES, THREADS, SPLITS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
     WARPS_N = tiles.warps_n
     COLS = BLOCK_N // matrices  # output columns per block = weight rows per matrix
-    if n % COLS or k % GROUP_SIZE:
-        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
+    if n % COLS or k % (GROUP_SIZE * SPLITS):
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE * SPLITS}")
+    if SPLITS > 1 and epilogue != "residual":
+        raise ValueError(f"split-K ({SPLITS} splits) adds partial products into `out`: residual epilogue only")
     WARP_M, WARP_COLS = BLOCK_M // tiles.warps_m, COLS // WARPS_N
     M_TILES = WARP_M // 16
     COL_TILES = WARP_COLS // 8  # n8 tiles per matrix per warp
@@ -176,6 +198,7 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     A_RING, B_RING = STAGES * A_STAGE, STAGES * B_STAGE  # shared words (a literal size for Numba)
     A_CHUNKS = BLOCK_M * A_ROW_WORDS // CHUNK_WORDS
     X_ROW_WORDS, W_ROW_WORDS, GROUPS, K_TILES = k // 2, k // 8, k // GROUP_SIZE, k // K_TILE
+    SPLIT_GROUPS, SPLIT_TILES = GROUPS // SPLITS, K_TILES // SPLITS  # a block's share of K
     WAIT = STAGES - 2  # groups that may stay in flight when a tile must have landed
     BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
 
@@ -249,25 +272,27 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
         first_col = warp_col + g  # this lane's weight rows (in each matrix): first_col + 8j
         a_at = first_row * U(A_ROW_WORDS) + U(4) * t
         b_at = first_col * U(B_ROW_WORDS) + t
+        first_group = U(cuda.blockIdx.z) * U(SPLIT_GROUPS)  # this block's k range (split-K)
+        first_tile = first_group * U(TILES_PER_GROUP)
         for c in range(ACCUMULATORS):
             acc[c] = float32(0)
 
         for kt in range(STAGES - 1):
-            load_stage(x, m, q0, q1, a_tiles, b_tiles, U(kt), U(kt), m0, n0)
+            load_stage(x, m, q0, q1, a_tiles, b_tiles, U(kt), first_tile + U(kt), m0, n0)
             cp_async_commit_group()
-        load_scales(s0, s1, n0 + first_col, U(0), upcoming_scale)
-        for group in range(GROUPS):
+        load_scales(s0, s1, n0 + first_col, first_group, upcoming_scale)
+        for group in range(SPLIT_GROUPS):
             for j in range(N_TILES):
                 scale[j] = upcoming_scale[j]
-            if group + 1 < GROUPS:
-                load_scales(s0, s1, n0 + first_col, U(group + 1), upcoming_scale)
+            if group + 1 < SPLIT_GROUPS:
+                load_scales(s0, s1, n0 + first_col, first_group + U(group + 1), upcoming_scale)
             for sub in range(TILES_PER_GROUP):
-                kt = U(group * TILES_PER_GROUP + sub)
+                kt = U(group * TILES_PER_GROUP + sub)  # counted from first_tile
                 cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
                 cuda.syncthreads()  # ...everyone's have, and nobody still reads tile kt - 1's stage
                 ahead = kt + U(STAGES - 1)
-                if ahead < K_TILES:
-                    load_stage(x, m, q0, q1, a_tiles, b_tiles, ahead % U(STAGES), ahead, m0, n0)
+                if ahead < SPLIT_TILES:
+                    load_stage(x, m, q0, q1, a_tiles, b_tiles, ahead % U(STAGES), first_tile + ahead, m0, n0)
                 cp_async_commit_group()  # possibly empty: keeps one group per k tile
                 stage = kt % U(STAGES)
                 multiply_stage(a_tiles, b_tiles, stage * U(A_STAGE) + a_at, stage * U(B_STAGE) + b_at,
@@ -290,7 +315,9 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
                                 value += bias0 if e == 0 else bias1
                             if GATE_UP:  # value is the gate; the up tile is COL_TILES tiles on
                                 value = value / (float32(1) + math.exp(-value)) * acc[c + e + 4 * COL_TILES]
-                            if RESIDUAL:
+                            if RESIDUAL and SPLITS > 1:  # other blocks add their k ranges too
+                                cuda.atomic.add(out, row * U(n) + col + U(e), value)
+                            elif RESIDUAL:
                                 out[row * U(n) + col + U(e)] += value
                             else:
                                 out[row * U(n) + col + U(e)] = value
@@ -337,7 +364,7 @@ class _Launcher:
             raise ValueError(f"out must be {self.out_dtype} [>= {m}, {self.n}], got {out.dtype} {tuple(out.shape)}")
         if m < 1:
             return
-        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
+        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices), tiles.splits)
         kernel[grid, tiles.threads, stream](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
                                             out.reshape(out.size))
 
@@ -426,9 +453,12 @@ def compile_targets() -> list[CompileTarget]:
             ("gate_up", intermediate, hidden, "gate_up_silu", LARGE, types.float16),
             ("down_proj", hidden, intermediate, "residual", LARGE, types.float32),
             ("qkv", qkv, hidden, "bias", MEDIUM, types.float32),
+            ("qkv", qkv, hidden, "bias", NARROW, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", WIDE, types.float16),
+            ("down_proj", hidden, intermediate, "residual", LARGE_SPLIT_K, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", SMALL, types.float16),
             ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16)):
-        label = {LARGE: "large", MEDIUM: "medium", SMALL: "small"}[tiles]
+        label = TILE_NAMES[tiles]
         targets.append(CompileTarget(f"gemm_int4_{epilogue}_{label}[{name} {n}x{k}]",
                                      gemm_kernel(n, k, tiles, epilogue), _signature(out), must))
     return targets

@@ -28,6 +28,7 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 
 U16, U32 = 2.0**-11, 2.0**-24
 SIM_TILES = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3)
+SIM_SPLIT_K = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3, splits=2)
 EXTRA_ROWS = 3  # x and out have rows past m: the kernel must neither need nor touch them
 
 
@@ -76,6 +77,24 @@ def test_gemm_exact_operands(m, n, k, epilogue):
         expected += out[:m]
     rounding = U16 if epilogue == "float16" else U32  # the one rounding left: FP32 add or FP16 store
     assert np.all(np.abs(y - expected) <= rounding * np.abs(expected) + (2.0**-25 if epilogue == "float16" else 0))
+
+
+def test_split_k_residual_exact_operands():
+    """Two blocks along K each add their partial product (exact here) to out with an atomic add:
+    two FP32 roundings, each at most u32 times a running sum bounded by |out| + |X| |W|^T."""
+    rng = np.random.default_rng()
+    m, n, k = 9, 32, 256  # one scale group per split
+    qweight, scales, w = exact_linear(rng, n, k)
+    x = exact_activations(rng, m, k)
+    out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float32)
+    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_SPLIT_K)
+    y = run(gemm, x, out, m, residual=True)
+    x64 = x[:m].astype(np.float64)
+    expected = out[:m] + x64 @ w.T
+    running = np.abs(out[:m]) + np.abs(x64) @ np.abs(w.T)
+    assert np.all(np.abs(y - expected) <= 2 * U32 * running)
+    with pytest.raises(ValueError, match="residual epilogue only"):
+        gemm.launch(0, cuda.to_device(x), cuda.to_device(out), m)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # exp(-g), g < -88: inf, silu -0
