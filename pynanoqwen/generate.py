@@ -215,10 +215,15 @@ def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], para
 
 
 def resolve_model(model: str | None) -> Path:
-    """The model file to run: --model, which is required until a default model is shipped."""
-    if model is None:
-        raise NanoQwenError("--model FILE is required")
-    return Path(model)
+    """The model file to run: --model, or the embedded tiny-coder (pynanoqwen/data) without one."""
+    if model is not None:
+        return Path(model)
+    from .data import EMBEDDED_MODEL
+
+    if not EMBEDDED_MODEL.is_file():
+        raise NanoQwenError(f"no --model given and the embedded model {EMBEDDED_MODEL} is missing "
+                            "(a broken install?); pass --model FILE")
+    return EMBEDDED_MODEL
 
 
 def resolve_device(device: str | None, on_status: Callable[[str], None]) -> str:
@@ -245,6 +250,11 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                                                system=options.system, fim_suffix=options.fim_suffix))
     check_fits(len(prompt_ids), max_context)
     device = resolve_device(options.device, on_status)
+    if options.model is None:
+        on_status(f"model: the embedded tiny-coder ({model_path.stat().st_size / 1e6:.1f} MB, a "
+                  f"{config.num_layers}-layer model trained on Python's standard library) on "
+                  f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}; pass --model FILE "
+                  "for another")
     backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
     result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
     on_text("\n")

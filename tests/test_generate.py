@@ -198,7 +198,6 @@ def test_text_streams_while_tokens_arrive_and_never_splits_a_character(tokenizer
 
 
 @pytest.mark.parametrize("args,message", [
-    (["hi"], "--model FILE is required"),
     (["--model", "/nonexistent/model.nanoqwen", "--device", "cpu", "hi"], "no such file"),
     (["--model", "{tiny}", "--device", "cpu", ""], "the prompt is empty"),
     (["--model", "{tiny}", "--device", "cpu", "  \n "], "the prompt is empty"),

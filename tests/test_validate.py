@@ -1,0 +1,182 @@
+"""`python -m pynanoqwen validate`: the report, the exit code and the tiers a CPU-only machine runs.
+
+The CPU tiers run for real on the embedded tiny-coder (format checks; the numpy reference against
+transformers in float64: one layer, logits, greedy continuations of held-out code). The GPU tiers
+run in the `gpu` test; here they must be reported as skipped. The unit tier's checks are run
+under the CUDA simulator in tests/sim/test_validate_sim.py.
+"""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pynanoqwen import validate as validate_module
+from pynanoqwen.cli import main
+from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.generate import CpuBackend
+from pynanoqwen.reference import ReferenceModel, decoder_layer, load_layer
+
+LINE = re.compile(r"^(PASS|FAIL|SKIP)  +(format|reference|unit|layer|graph) +\S")
+
+
+def run_validate(*args):
+    result = CliRunner().invoke(main, ["validate", *args])
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result
+
+
+def check_lines(output):
+    """{(tier, status)} -> count, and the summary line; every line but the first and last is a check."""
+    lines = output.strip().splitlines()
+    assert lines[0].startswith("validating ") and lines[-1].startswith("validate ")
+    for line in lines[1:-1]:
+        assert LINE.match(line), line
+    return lines[1:-1], lines[-1]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(validate_module, "cuda_gpu_available", lambda: False)
+
+
+def test_embedded_model_passes_on_cpu_and_skips_the_gpu_tiers(no_gpu):
+    # 20 prompts: tests/test_tiny_coder.py compares all 100 greedy continuations.
+    result = run_validate("--device", "auto", "--prompts", "20")
+    assert result.exit_code == 0, result.output
+    checks, summary = check_lines(result.output)
+    passed = [line for line in checks if line.startswith("PASS")]
+    names = " ".join(passed)
+    for expected in ("open and checksums", "tokenizer", "layer 0 vs transformers", "logits vs transformers",
+                     "greedy tokens vs transformers"):
+        assert expected in names, result.output
+    assert "20 prompts x 16 tokens: all 320 identical" in result.output
+    for tier in ("unit", "layer", "graph"):
+        assert any(re.match(rf"SKIP +{tier} .*no CUDA GPU", line) for line in checks), result.output
+    assert not any(line.startswith("FAIL") for line in checks)
+    assert re.match(r"validate OK: 5 passed, 0 failed, 3 skipped \(tiers skipped: graph, layer, unit\)", summary)
+
+
+def test_corrupted_file_fails_with_one_line_and_exit_code_1(tmp_path):
+    corrupted = tmp_path / "corrupted.nanoqwen"
+    shutil.copyfile(EMBEDDED_MODEL, corrupted)
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        offset = f.offset("model.layers.1.mlp.down_proj.weight.qweight") + 100
+    with open(corrupted, "r+b") as out:
+        out.seek(offset)
+        byte = out.read(1)
+        out.seek(offset)
+        out.write(bytes([byte[0] ^ 0x10]))
+    result = run_validate("--model", str(corrupted), "--device", "cpu")
+    assert result.exit_code == 1
+    checks, summary = check_lines(result.output)
+    assert re.match(r"FAIL +format +open and checksums .*down_proj.*data checksum mismatch", checks[0]), checks[0]
+    assert all(re.match(r"SKIP .*did not pass the format checks", line) for line in checks[1:]), result.output
+    assert summary.startswith("validate FAILED: 0 passed, 1 failed")
+
+
+def test_missing_file_fails_without_traceback(tmp_path):
+    result = run_validate("--model", str(tmp_path / "absent.nanoqwen"))
+    assert result.exit_code == 1
+    assert re.search(r"FAIL +format +open and checksums .*no such file", result.output), result.output
+
+
+def test_device_cuda_without_a_gpu_is_a_failure(no_gpu):
+    result = run_validate("--device", "cuda", "--prompts", "2")
+    assert result.exit_code == 1
+    checks, summary = check_lines(result.output)
+    for tier in ("unit", "layer", "graph"):
+        assert any(re.match(rf"FAIL +{tier} +all +no CUDA GPU", line) for line in checks), result.output
+    assert "validate FAILED: 5 passed, 3 failed" in summary
+
+
+def test_an_exception_inside_a_tier_is_a_fail_line_not_a_traceback(no_gpu, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    monkeypatch.setattr(validate_module, "reference_layer_outputs", broken)
+    result = run_validate("--device", "cpu", "--prompts", "2")
+    assert result.exit_code == 1
+    checks, _ = check_lines(result.output)
+    reference = [line for line in checks if re.match(r"\w+ +reference ", line)]
+    assert len(reference) == 1 and re.match(r"FAIL +reference +error +RuntimeError: kernel exploded$",
+                                             reference[0]), result.output
+
+
+def test_token_comparison_names_the_first_difference():
+    same = validate_module._compare_tokens("t", [[1, 2], [3, 4]], [[1, 2], [3, 4]])
+    assert same.status == "PASS" and "all 4 identical" in same.detail
+    differ = validate_module._compare_tokens("t", [[1, 2], [3, 4], [5, 6]], [[1, 2], [3, 9], [0, 6]])
+    assert differ.status == "FAIL" and differ.detail == "2 of 3 continuations differ; first: prompt 1, token 1"
+
+
+def test_bad_options_are_refused():
+    result = run_validate("--prompts", "0")
+    assert result.exit_code == 1 and "error: --prompts must be >= 1" in result.output
+
+
+class ReferenceEngine:
+    """A stand-in for engine.CudaBackend on the numpy reference, with the engine's interface: the
+    Backend protocol plus teacher_forced_logits and layer_outputs. `wrong_graph` makes its CUDA-graph
+    variant (eager=False) of one GEMV path return a different last token for every prompt."""
+
+    def __init__(self, path, max_context, gemv, eager, wrong_graph=None):
+        self.file = NanoQwenFile(path)
+        self.model = ReferenceModel(self.file, max_context=max_context)
+        self.name, self.max_context = f"reference as {gemv}", max_context
+        self.wrong = not eager and gemv == wrong_graph
+
+    def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+        tokens = list(CpuBackend(self.model).generate(prompt_ids, params, max_new_tokens, stop_ids))
+        if self.wrong:
+            tokens[-1] = (tokens[-1] + 1) % self.file.config.vocab_size
+        yield from tokens
+
+    def teacher_forced_logits(self, token_ids):
+        self.model.reset()
+        return self.model.forward(token_ids)
+
+    def layer_outputs(self, layer, hidden_states):
+        cfg = self.file.config
+        cache = np.zeros((2, len(hidden_states), cfg.num_kv_heads, cfg.head_dim), np.float32)
+        return decoder_layer(hidden_states, load_layer(self.file, layer), cfg, cache[0], cache[1], 0)
+
+
+@pytest.mark.parametrize("wrong_graph", [None, "dp4a"])
+def test_gpu_tiers_compare_through_the_engine_interface(monkeypatch, wrong_graph):
+    """The layer and graph tiers run on a stand-in engine: all PASS when it computes what the
+    reference does, and a graph replay that changes tokens is caught (and only that variant)."""
+    monkeypatch.setattr(validate_module, "cuda_gpu_available", lambda: True)
+    monkeypatch.setattr(validate_module, "UNIT_CHECKS", ())  # the kernels need a real GPU
+    monkeypatch.setattr(validate_module, "load_backend", lambda path, device, max_context, gemv, eager:
+                        ReferenceEngine(path, max_context, gemv, eager, wrong_graph))
+    result = run_validate("--device", "cuda", "--prompts", "3")
+    checks, summary = check_lines(result.output)
+    gpu = {re.split(r"  +", line)[2]: line.split()[0] for line in checks if re.match(r"\w+ +(layer|graph) ", line)}
+    expected = {f"{gemv} layer 0 vs reference": "PASS" for gemv in ("prmt", "dp4a")}
+    for gemv in ("prmt", "dp4a"):
+        broken = gemv == wrong_graph
+        expected[f"{gemv} graph vs eager tokens"] = "FAIL" if broken else "PASS"
+        expected[f"{gemv} graph vs reference tokens"] = "FAIL" if broken else "PASS"
+        # Teacher forcing feeds in all but the last generated token, the one that was changed.
+        expected[f"{gemv} graph vs eager logits"] = "PASS"
+        expected[f"{gemv} logits vs reference"] = "PASS"
+    assert gpu == expected, result.output
+    assert result.exit_code == (1 if wrong_graph else 0), result.output
+    if wrong_graph:
+        assert "3 of 3 continuations differ; first: prompt 0, token 15" in result.output
+
+
+@pytest.mark.gpu
+def test_embedded_model_passes_every_tier_on_the_gpu():
+    result = run_validate("--device", "cuda")
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    checks, summary = check_lines(result.output)
+    assert not any(line.startswith(("FAIL", "SKIP")) for line in checks), result.output
+    for tier in ("unit", "layer", "graph"):
+        assert any(re.match(rf"PASS +{tier} ", line) for line in checks)
