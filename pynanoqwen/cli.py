@@ -54,7 +54,7 @@ def info(file):
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "model", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="The .nanoqwen model to run (required).")
+              help="The .nanoqwen model to run. [default: the embedded tiny-coder]")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Run on the GPU engine or the numpy reference. [default: cuda if a GPU is found]")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True,
@@ -86,3 +86,47 @@ def generate(prompt, model, device, max_new_tokens, temperature, top_k, top_p, s
                               eager=eager)
     run(options, on_text=lambda text: click.echo(text, nl=False),
         on_status=lambda line: click.echo(line, err=True))
+
+
+@main.command()
+@click.option("--model", "model", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="The .nanoqwen model to check. [default: the embedded tiny-coder]")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto runs the GPU tiers when a GPU is found; cpu skips them; cuda fails without one.")
+@click.option("--prompts", type=int, default=100, show_default=True,
+              help="Code prompts continued in the greedy-token and graph checks.")
+@click.option("--seed", type=int, default=None, help="Seed of the random inputs. [default: fresh, printed at the end]")
+def validate(model, device, prompts, seed):
+    """Check the runtime on this machine against its references, tier by tier; exit 1 on any FAIL."""
+    from .validate import validate as run_validate
+
+    if run_validate(model, device, prompts, seed, on_line=click.echo).failed:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--model", type=click.Path(dir_okay=False), help="A .nanoqwen file to benchmark.")
+@click.option("--synthetic", metavar="PRESET", help="Random weights of a preset's shape (tiny, 0.5b ... 32b), no file.")
+@click.option("--prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--gen-tokens", type=int, default=128, show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed runs after one warm-up.")
+@click.option("--eager-tokens", type=int, default=16, show_default=True, help="Tokens timed in eager mode.")
+@click.option("--gemv", type=click.Choice(["prmt", "dp4a"]), default="prmt", show_default=True)
+@click.option("--baseline", type=click.Choice(["torch"]), help="Also run transformers + torch on the same weights.")
+@click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
+@click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every figure to this JSON file.")
+def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, gemv, baseline, no_kernels,
+          no_gemv_paths, json_path):
+    """Measure TTFT, ITL, bandwidth and a kernel breakdown on the GPU; print a markdown table."""
+    from .bench import BenchSettings, run_bench
+    from .bench_report import render_markdown, write_json
+
+    settings = BenchSettings(model=model, synthetic=synthetic, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                             repeats=repeats, eager_tokens=eager_tokens, gemv=gemv, baseline=baseline,
+                             kernels=not no_kernels, gemv_paths=not no_gemv_paths).validate()
+    result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
+    click.echo(render_markdown(result))
+    if json_path:
+        write_json(result, json_path)
+        click.echo(f"[bench] wrote {json_path}", err=True)

@@ -1,0 +1,237 @@
+"""`python -m pynanoqwen bench`: how fast the GPU engine runs, measured the way METHOD.md asks.
+
+Protocol (the seed runtime's): batch 1, a `prompt_tokens`-token prompt, `gen_tokens` generated
+greedily, `repeats` timed runs after one warm-up. What each figure means:
+
+- TTFT: host wall clock from the call to generate() to the first token in host memory: prefill
+  (token by token through the decode graphs, for now) plus the first sampled token.
+- ITL: host wall clock between consecutive tokens of one run. The engine enqueues step p + 1
+  before waiting for the token of step p, so in steady state this is the GPU time of one step.
+- GB/s: bytes one decode step must read (every INT4 weight and scale, norms, the lm_head, one
+  embedding row, and the KV cache at the mean context of the run) over the median ITL, and its
+  share of a device-to-device copy measured in the same run (bytes read + written).
+- The kernel breakdown replays each kernel type, with all its launches of one step, inside its own
+  CUDA graph between events; `share` is its time over the sum of all types.
+- The GEMV table times both INT4 paths at every linear shape of the model, rotating weight copies
+  larger than the L2 so that every call reads HBM.
+
+Nothing here changes clocks or needs root; GPU name, driver and clocks come from nvidia-smi.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import bench_report
+from .config import ModelConfig
+from .errors import NanoQwenError
+from .sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    model: str | None = None  # a .nanoqwen path, or None with `synthetic`
+    synthetic: str | None = None  # a preset name: random weights in the exact layout, no file
+    prompt_tokens: int = 512
+    gen_tokens: int = 128
+    repeats: int = 5
+    eager_tokens: int = 16
+    gemv: str = "prmt"
+    baseline: str | None = None  # "torch"
+    kernels: bool = True
+    gemv_paths: bool = True
+    seed: int = 0
+
+    def validate(self) -> "BenchSettings":
+        if (self.model is None) == (self.synthetic is None):
+            raise NanoQwenError("give exactly one of --model FILE and --synthetic PRESET")
+        for name in ("prompt_tokens", "gen_tokens", "repeats", "eager_tokens"):
+            if getattr(self, name) < 1:
+                raise NanoQwenError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.gen_tokens < 2:
+            raise NanoQwenError("--gen-tokens must be at least 2 (ITL needs two tokens)")
+        if self.gemv not in ("prmt", "dp4a"):
+            raise NanoQwenError(f"--gemv must be prmt or dp4a, got {self.gemv!r}")
+        if self.baseline not in (None, "torch"):
+            raise NanoQwenError(f"--baseline must be torch, got {self.baseline!r}")
+        return self
+
+    @property
+    def max_context(self) -> int:
+        return self.prompt_tokens + self.gen_tokens + 16
+
+
+def gpu_info() -> dict:
+    """Name, driver and current SM/memory clocks (MHz) from nvidia-smi; {} where it is missing."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    name, driver, sm, mem = (part.strip() for part in line.split(","))
+    return {"name": name, "driver": driver, "clocks": f"{sm}/{mem}"}
+
+
+def git_commit() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def time_generation(backend, prompt: list[int], gen_tokens: int) -> tuple[float, list[float], float]:
+    """One greedy run: (TTFT ms, inter-token gaps in ms, total ms). No stop tokens: all tokens run."""
+    stamps = []
+    start = time.perf_counter()
+    for _ in backend.generate(prompt, SamplingParams(), gen_tokens, frozenset()):
+        stamps.append(time.perf_counter())
+    gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    return 1e3 * (stamps[0] - start), gaps, 1e3 * (stamps[-1] - start)
+
+
+def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs) -> dict:
+    time_generation(backend, prompt, gen_tokens)  # warm-up
+    ttfts, gaps, totals = [], [], []
+    for _ in range(repeats):
+        ttft, run_gaps, total = time_generation(backend, prompt, gen_tokens)
+        ttfts.append(ttft)
+        gaps += run_gaps
+        totals.append(total)
+    itl = bench_report.summarize(gaps)
+    return {"ttft_ms": bench_report.summarize(ttfts), "itl_ms": itl,
+            "decode_tok_s": 1e3 / itl["median"],
+            "e2e_tok_s": gen_tokens / (float(np.median(totals)) / 1e3),
+            **bench_report.bandwidth(bytes_per_step, itl["median"], copy_gbs and copy_gbs * 1e9)}
+
+
+def run_bench(settings: BenchSettings, progress=print) -> dict:
+    """Every measurement of the docstring; returns a result dict (bench_report's schema)."""
+    settings.validate()
+    from .generate import cuda_gpu_available
+
+    if not cuda_gpu_available():
+        raise NanoQwenError("bench needs an NVIDIA GPU of compute capability 9.0 (H100/H200); none was found")
+    from .engine import CudaBackend
+    from .gpu_timing import copy_bandwidth
+
+    started = gpu_info()
+    progress("measuring device-to-device copy bandwidth")
+    copy_gbs = copy_bandwidth() / 1e9
+    source = settings.model
+    if settings.synthetic:
+        from .synthetic import SyntheticWeights
+
+        source = SyntheticWeights(settings.synthetic, seed=settings.seed, progress=True)
+    progress(f"loading {settings.model or 'synthetic ' + settings.synthetic} onto the GPU")
+    backend = CudaBackend(source, max_context=settings.max_context, gemv=settings.gemv)
+    cfg = backend.config
+    rng = np.random.default_rng(settings.seed)
+    prompt = rng.integers(0, min(cfg.vocab_size, 4000), settings.prompt_tokens).tolist()
+    context = settings.prompt_tokens + settings.gen_tokens // 2  # the mean context of a run
+    per_step = backend.bytes_per_step(context)
+    by = {"weights": backend.weight_bytes_per_step, "kv": per_step - backend.weight_bytes_per_step,
+          "context": context}
+
+    progress(f"graph mode: {settings.repeats} x ({settings.prompt_tokens} + {settings.gen_tokens} tokens)")
+    graph = measure_mode(backend, prompt, settings.gen_tokens, settings.repeats, per_step, copy_gbs)
+    progress(f"eager mode: {settings.eager_tokens} tokens")
+    backend.eager = True
+    eager = measure_mode(backend, prompt[:16], settings.eager_tokens, 1, per_step, copy_gbs)
+    backend.eager = False
+    result = {
+        "settings": {"model": settings.model or f"synthetic:{settings.synthetic}",
+                     "prompt_tokens": settings.prompt_tokens, "gen_tokens": settings.gen_tokens,
+                     "repeats": settings.repeats, "gemv": settings.gemv, "git_commit": git_commit(),
+                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        "config": dataclasses.asdict(cfg),
+        "bytes": by, "graph": graph, "eager": eager,
+        "graph_over_eager": eager["itl_ms"]["median"] / graph["itl_ms"]["median"],
+        "peak_memory_gib": backend.device_memory_used() / 2**30,
+    }
+    if settings.kernels:
+        progress("per-kernel breakdown")
+        result["kernels"] = kernel_breakdown(backend, context)
+    if settings.gemv_paths:
+        progress("GEMV paths at every linear shape")
+        result["gemv"] = gemv_paths(cfg)
+    backend.close()
+    del backend
+    from numba import cuda
+
+    cuda.current_context().deallocations.clear()  # give the engine's memory back before torch loads
+    if settings.baseline == "torch":
+        from .bench_baseline import torch_baseline
+
+        progress("torch + transformers baseline (bf16, static cache, CUDA graphs via torch.compile)")
+        base = torch_baseline(source, settings, prompt)
+        base.update(bench_report.bandwidth(step_bytes_bf16(cfg, by["context"]), base["itl_ms"]["median"],
+                                           copy_gbs * 1e9))
+        result["baseline"] = base
+    result["gpu"] = {**started, "clocks_start": started.get("clocks"), "clocks_end": gpu_info().get("clocks"),
+                     "copy_gbs": copy_gbs}
+    result["gpu"].pop("clocks", None)
+    return result
+
+
+def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:
+    """What the bf16 baseline reads per step: every weight at 2 bytes (the embedding table once
+    a row) plus the KV cache."""
+    h = cfg.hidden_size
+    per_layer = sum(n * k for n, k in cfg.linear_shapes.values()) + 2 * h + cfg.q_size + 2 * cfg.kv_size
+    return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * h + 2 * h) + 2 * cfg.num_layers * context * cfg.kv_size * 2
+
+
+def kernel_breakdown(backend, context: int) -> list[dict]:
+    from .gpu_timing import time_graph
+
+    rows = []
+    for name, enqueue, launches, nbytes in backend.kernel_groups(context):
+        seconds = time_graph(backend.stream, enqueue)
+        rows.append({"name": name, "launches": launches, "us": seconds * 1e6, "bytes": nbytes,
+                     "gbs": nbytes / seconds / 1e9 if nbytes else None})
+        backend.reset([0], SamplingParams())
+    total = sum(r["us"] for r in rows)
+    for r in rows:
+        r["share"] = r["us"] / total
+    return rows
+
+
+def gemv_paths(cfg: ModelConfig) -> list[dict]:
+    """prmt vs dp4a at each linear shape of `cfg` (random weights: speed does not depend on values)."""
+    from .gpu_timing import time_gemv
+    from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
+
+    rng = np.random.default_rng(0)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = [("qkv", cfg.q_size + 2 * cfg.kv_size, h, 1), ("o_proj", h, cfg.q_size, 1), ("gate_up", i, h, 2),
+              ("down_proj", h, i, 1), ("lm_head", cfg.vocab_size, h, 1)]
+    rows = []
+    for name, n, k, matrices in shapes:
+        weights = [(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
+                    (rng.standard_normal((n, k // 128)) * 0.01).astype(np.float16)) for _ in range(matrices)]
+        nbytes = matrices * gemv_bytes(n, k)
+        row = {"name": name, "n": n, "k": k}
+        for path in ("prmt", "dp4a"):
+            if matrices == 2:
+                (gq, gs), (uq, us) = weights
+                build = lambda p=path: make_gate_up_silu(n, k, gq, gs, uq, us, path=p)  # noqa: E731
+                out_dtype = np.float16
+            else:
+                build = lambda p=path: make_gemv_int4(n, k, *weights[0], path=p)  # noqa: E731
+                out_dtype = np.float32
+            seconds = time_gemv(build, nbytes, out_dtype)
+            row[f"{path}_us"], row[f"{path}_gbs"] = seconds * 1e6, nbytes / seconds / 1e9
+        rows.append(row)
+    return rows

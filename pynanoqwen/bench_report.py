@@ -1,0 +1,126 @@
+"""Benchmark results: statistics, the markdown table printed on stdout, and the JSON result file.
+
+Pure CPU code, so CI tests it; the GPU measurements that fill a result live in bench.py. A result is
+a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meaning):
+
+    settings   what was run (model, prompt/gen tokens, repeats, gemv path, git commit, date)
+    gpu        name, driver, SM / memory clocks at start and end, measured copy bandwidth (GB/s)
+    graph      ttft_ms, itl_ms {median, p10, p90}, decode_tok_s, e2e_tok_s, gbs, roofline_share, floor_ms
+    eager      the same, fewer tokens; graph_over_eager = eager ITL / graph ITL
+    bytes      weight bytes and KV bytes read per decode step
+    kernels    per-kernel breakdown of one decode step: name, launches, us, bytes, gbs, share
+    gemv       prmt vs dp4a at each linear shape: us and GB/s of each
+    baseline   the same figures for transformers + torch (bf16, static cache, CUDA graph), or absent
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+SCHEMA = 1
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    """Median, p10 and p90 (linear interpolation between closest ranks) of a list of times in ms."""
+    if not samples_ms:
+        raise ValueError("no samples to summarize")
+    data = sorted(samples_ms)
+
+    def pct(p: float) -> float:
+        pos = (len(data) - 1) * p
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+    return {"median": statistics.median(data), "p10": pct(0.10), "p90": pct(0.90), "n": len(data)}
+
+
+def bandwidth(bytes_moved: float, ms: float, roofline_bytes_per_s: float | None) -> dict:
+    """GB/s achieved for `bytes_moved` in `ms`, its share of the roofline (bytes/s) and the floor time."""
+    bytes_per_s = bytes_moved / (ms * 1e-3)
+    out = {"gbs": bytes_per_s / 1e9}
+    if roofline_bytes_per_s:
+        out["roofline_share"] = bytes_per_s / roofline_bytes_per_s
+        out["floor_ms"] = bytes_moved / roofline_bytes_per_s * 1e3
+    return out
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mode_rows(name: str, mode: dict | None) -> list[str]:
+    if not mode:
+        return []
+    itl = mode["itl_ms"]
+    return [f"| {name} | {_fmt(mode['ttft_ms']['median'])} | {_fmt(itl['median'], '.3f')} "
+            f"({_fmt(itl['p10'], '.3f')}-{_fmt(itl['p90'], '.3f')}) | {_fmt(mode['decode_tok_s'], '.1f')} | "
+            f"{_fmt(mode.get('e2e_tok_s'), '.1f')} | {_fmt(mode.get('gbs'), '.0f')} | "
+            f"{_fmt(100 * mode['roofline_share'] if mode.get('roofline_share') else None, '.0f')}% |"]
+
+
+def render_markdown(result: dict) -> str:
+    """The human-readable report: a llama-bench-like table, then the breakdowns."""
+    s, gpu = result["settings"], result.get("gpu", {})
+    lines = [
+        f"## pynanoqwen bench: {s['model']} ({s['prompt_tokens']} prompt + {s['gen_tokens']} generated tokens, "
+        f"batch 1, gemv={s['gemv']})",
+        "",
+        f"GPU: {gpu.get('name', '?')}, driver {gpu.get('driver', '?')}, clocks SM/mem "
+        f"{gpu.get('clocks_start', '?')} -> {gpu.get('clocks_end', '?')} MHz; copy bandwidth "
+        f"{_fmt(gpu.get('copy_gbs'), '.0f')} GB/s; commit {s.get('git_commit', '?')}; {s.get('date', '?')}",
+        "",
+        "| mode | TTFT ms | ITL ms median (p10-p90) | decode tok/s | e2e tok/s | GB/s | roofline |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += _mode_rows("graph", result.get("graph"))
+    lines += _mode_rows("eager", result.get("eager"))
+    base = result.get("baseline")
+    if base:
+        lines += _mode_rows(base.get("name", "baseline"), base)
+    lines.append("")
+    by = result.get("bytes")
+    if by:
+        lines.append(f"Bytes per decode step: {by['weights'] / 1e9:.3f} GB weights + {by['kv'] / 1e6:.1f} MB KV "
+                     f"at {by['context']} tokens of context.")
+    if result.get("graph") and result.get("eager"):
+        lines.append(f"Graph vs eager: {result['eager']['itl_ms']['median'] / result['graph']['itl_ms']['median']:.1f}x "
+                     "faster per token.")
+    if base and result.get("graph"):
+        lines.append(f"vs {base.get('name', 'baseline')}: ITL {base['itl_ms']['median'] / result['graph']['itl_ms']['median']:.2f}x, "
+                     f"TTFT {base['ttft_ms']['median'] / result['graph']['ttft_ms']['median']:.2f}x "
+                     "(their time / ours; > 1 means we are faster).")
+    if result.get("peak_memory_gib") is not None:
+        lines.append(f"Peak GPU memory: {result['peak_memory_gib']:.2f} GiB.")
+    if result.get("kernels"):
+        lines += ["", "| kernel (one decode step) | launches | us total | bytes | GB/s | share of step |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for k in result["kernels"]:
+            lines.append(f"| {k['name']} | {k['launches']} | {k['us']:.1f} | {k['bytes'] / 1e6:.1f} MB | "
+                         f"{_fmt(k.get('gbs'), '.0f')} | {100 * k['share']:.1f}% |")
+    if result.get("gemv"):
+        lines += ["", "| GEMV shape (N x K) | prmt us | prmt GB/s | dp4a us | dp4a GB/s |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for g in result["gemv"]:
+            lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['prmt_us']:.1f} | {g['prmt_gbs']:.0f} | "
+                         f"{_fmt(g.get('dp4a_us'), '.1f')} | {_fmt(g.get('dp4a_gbs'), '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Write atomically (temp file + rename), so an interrupted run never leaves half a JSON file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"schema": SCHEMA, **result}, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

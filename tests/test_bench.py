@@ -1,0 +1,133 @@
+"""The benchmark's CPU-side parts: settings, statistics, the report, the JSON file, the history page."""
+
+import json
+import random
+import statistics
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pynanoqwen import bench_report
+from pynanoqwen.bench import BenchSettings
+from pynanoqwen.cli import main
+from pynanoqwen.config import PRESETS
+
+
+def fake_mode(rng, itl=2.0):
+    gaps = [itl + rng.random() * 0.1 for _ in range(50)]
+    ttfts = [30 + rng.random() for _ in range(5)]
+    summary = bench_report.summarize(gaps)
+    return {"ttft_ms": bench_report.summarize(ttfts), "itl_ms": summary, "decode_tok_s": 1e3 / summary["median"],
+            "e2e_tok_s": 400.0, **bench_report.bandwidth(3.65e9, summary["median"], 4.3e12)}
+
+
+def fake_result(rng):
+    return {
+        "settings": {"model": "synthetic:7b", "prompt_tokens": 512, "gen_tokens": 128, "repeats": 5,
+                     "gemv": "prmt", "git_commit": "abc123", "date": "2026-11-30T10:00:00+00:00"},
+        "gpu": {"name": "NVIDIA H200", "driver": "580", "clocks_start": "345/3201", "clocks_end": "1980/3201",
+                "copy_gbs": 4300.0},
+        "bytes": {"weights": 3.65e9, "kv": 2.8e7, "context": 576},
+        "graph": fake_mode(rng), "eager": fake_mode(rng, itl=18.0),
+        "kernels": [{"name": "gemv", "launches": 28, "us": 100.0, "bytes": 1e8, "gbs": 1000.0, "share": 1.0}],
+        "gemv": [{"name": "qkv", "n": 4608, "k": 3584, "prmt_us": 5.9, "prmt_gbs": 1448, "dp4a_us": 6.8,
+                  "dp4a_gbs": 1264}],
+        "peak_memory_gib": 5.5,
+        "baseline": {"name": "torch", **fake_mode(rng, itl=8.0)},
+    }
+
+
+def test_summarize_matches_numpy_percentiles():
+    rng = np.random.default_rng()
+    samples = list(rng.exponential(2.0, size=101))
+    s = bench_report.summarize(samples)
+    assert s["median"] == pytest.approx(statistics.median(samples))
+    assert s["p10"] == pytest.approx(np.percentile(samples, 10))
+    assert s["p90"] == pytest.approx(np.percentile(samples, 90))
+    with pytest.raises(ValueError):
+        bench_report.summarize([])
+
+
+def test_bandwidth_and_floor():
+    out = bench_report.bandwidth(4.3e9, 2.0, 4.3e12)  # 4.3 GB in 2 ms on a 4.3 TB/s copy roofline
+    assert out["gbs"] == pytest.approx(2150.0)
+    assert out["roofline_share"] == pytest.approx(0.5)
+    assert out["floor_ms"] == pytest.approx(1.0)
+
+
+def test_markdown_report_has_every_section():
+    rng = random.Random(7)
+    result = fake_result(rng)
+    text = bench_report.render_markdown(result)
+    graph_itl = result["graph"]["itl_ms"]["median"]
+    assert f"{graph_itl:.3f}" in text
+    assert "| graph |" in text and "| eager |" in text and "| torch |" in text
+    assert "GEMV shape" in text and "kernel (one decode step)" in text
+    ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
+    assert f"ITL {ratio:.2f}x" in text
+
+
+def test_json_is_atomic_and_complete(tmp_path):
+    result = fake_result(random.Random(3))
+    path = tmp_path / "sub" / "run.json"
+    bench_report.write_json(result, path)
+    back = json.loads(path.read_text())
+    assert back["schema"] == bench_report.SCHEMA and back["graph"] == result["graph"]
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temp file left
+    with pytest.raises(TypeError):
+        bench_report.write_json({"bad": object()}, path)
+    assert json.loads(path.read_text()) == back  # a failed write leaves the old file intact
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "exactly one of"),
+    ({"model": "a", "synthetic": "7b"}, "exactly one of"),
+    ({"synthetic": "7b", "gen_tokens": 1}, "at least 2"),
+    ({"synthetic": "7b", "repeats": 0}, "at least 1"),
+    ({"synthetic": "7b", "gemv": "x"}, "prmt or dp4a"),
+])
+def test_settings_refused(kwargs, message):
+    from pynanoqwen.errors import NanoQwenError
+
+    with pytest.raises(NanoQwenError, match=message):
+        BenchSettings(**kwargs).validate()
+
+
+def test_cli_without_gpu_is_one_line_error():
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "--synthetic", "tiny"])
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("error:") and "GPU" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    bad = runner.invoke(main, ["bench"])
+    assert bad.exit_code == 1 and "exactly one of" in bad.output
+
+
+def test_history_page_renders(tmp_path):
+    from importlib.util import module_from_spec, spec_from_file_location
+    from pathlib import Path
+
+    spec = spec_from_file_location("render_results", Path(__file__).parents[1] / "bench" / "render_results.py")
+    render = module_from_spec(spec)
+    spec.loader.exec_module(render)
+    rng = random.Random(11)
+    results = tmp_path / "results"
+    for i in range(3):
+        r = fake_result(rng)
+        r["settings"]["date"] = f"2026-11-3{i}T00:00:00"
+        bench_report.write_json(r, results / f"run{i}.json")
+    page = tmp_path / "RESULTS.md"
+    render.main(results, page)
+    text = page.read_text()
+    assert text.count("synthetic:7b") == 3 and "history.png" in text
+    assert (tmp_path / "history.png").stat().st_size > 1000
+
+
+def test_bf16_baseline_bytes_count_every_weight_once():
+    from pynanoqwen.bench import step_bytes_bf16
+
+    cfg = PRESETS["7b"]
+    params = sum(n * k for n, k in cfg.linear_shapes.values()) * cfg.num_layers + cfg.vocab_size * cfg.hidden_size
+    assert 2 * params < step_bytes_bf16(cfg, 0) < 2 * params * 1.001
