@@ -36,8 +36,15 @@ def build_model(weights, device="cuda"):
 
     cfg = weights.config
     hf_cfg = Qwen2Config(**cfg.to_hf_dict())
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(hf_cfg)
+    # Built on the device in bf16 (random init, then overwritten): building on "meta" would leave
+    # the rotary embedding's inv_freq, a buffer outside the state dict, without data.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
     state = {}
     names = list(hf_tensors(cfg))
     if weights.lm_head_int4 and cfg.tie_word_embeddings:
@@ -49,7 +56,7 @@ def build_model(weights, device="cuda"):
             state[name] = torch.from_numpy(np.ascontiguousarray(weights.tensor(name))).to(device).to(torch.bfloat16)
     if cfg.tie_word_embeddings and "lm_head.weight" in state:
         model.config.tie_word_embeddings = False  # an INT4 lm_head differs from the FP16 embedding
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         model.tie_weights()
     return model.eval()
