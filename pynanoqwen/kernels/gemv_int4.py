@@ -37,6 +37,15 @@ qkv 4608x3584 8.5 MB 2.0 us, o_proj 3584x3584 6.6 MB 1.5 us, gate+up 2 x 18944x3
 (28 layers + lm_head) 3.65 GB, 0.85 ms: ~1180 tokens/s is the GEMVs' ceiling. Measured: not yet
 (tests/test_gemv_gpu.py prints GB/s per shape, path and rows per warp).
 
+Fused RMSNorm (prmt path): built with norm_weight / norm_eps, the kernel takes the float32
+residual stream h instead of x and stages xn = float16(h * rsqrt(mean h^2 + eps) * weight), the
+same float32 expression as kernels/rmsnorm.py: each block sums h^2 over all K (14 KiB from L2 at
+K 3584, while its first weight loads are in flight; warp_sum + one syncthreads), then converts
+pairs with `cvt.rn.f16x2.f32` into the layout above. That removes the separate norm launch
+(3.27 us each, 57 a step, measured) for ~0.3-0.5 us more per fused GEMV (predicted, not yet
+measured): ~150 us a step. The dp4a path runs kernels/rmsnorm.py into its own float16
+workspace first (same launches as before).
+
 API (the engine builds these once per layer, at load):
 
     gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", bias=None, out_dtype="float32")
@@ -44,6 +53,8 @@ API (the engine builds these once per layer, at load):
     gemv.launch(stream, x, h, residual=True)     # h[N] += W x (o_proj, down_proj)
     mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path="prmt")
     mlp.launch(stream, x, out)                   # out float16 [N] = silu(Wg x) * (Wu x)
+    qkv = make_gemv_int4(..., norm_weight=w, norm_eps=eps)
+    qkv.launch(stream, h, out)                   # x = RMSNorm(h) * w, h float32 [K]
 
 Weights and bias (float16 [N]) may be numpy arrays (copied to the device once) or device arrays
 (used in place). Both factories take `rows_per_warp=` (default: `default_rows_per_warp(n)`). On the
@@ -62,12 +73,13 @@ from numba.core import types
 
 from ..config import GROUP_SIZE
 from ..ptx.dp4a import dp4a
-from ..ptx.half2 import fma_f16x2, half2_to_float2
+from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
 from . import CompileTarget
 from .quantize_activation import Int8Activations
+from .rmsnorm import make_rmsnorm
 
 PATHS = ("prmt", "dp4a")
 WARPS_PER_BLOCK = 8
@@ -144,13 +156,14 @@ def _load_rows(k: int, rows: int):
 
 
 @functools.cache
-def _prmt_path(k: int, rows: int) -> _Path:
+def _prmt_path(k: int, rows: int, norm_eps: float | None = None) -> _Path:
+    """The prmt path; with norm_eps, x is RMSNorm(h) * weight, computed while staging (below)."""
     xs_stride = U(k // 32 + (2 - k // 32) % 8)
     groups = U(k // GROUP_SIZE)
     quads = U(k // 8)  # 16-byte pieces of x
 
     @cuda.jit(device=True, inline="always")
-    def stage(activations, xs):
+    def stage_x(activations, xs):
         x_pairs = activations[0]
         q = U(cuda.threadIdx.x)
         while q < quads:  # quad q = half2 words 4q .. 4q+3 = words 4(q%4) .. of chunk q//4
@@ -162,6 +175,49 @@ def _prmt_path(k: int, rows: int) -> _Path:
             xs[at + U(3) * xs_stride] = p3
             q += U(THREADS_PER_BLOCK)
         cuda.syncthreads()
+
+    inv_k = np.float32(1.0 / k)
+    eps = np.float32(0.0 if norm_eps is None else norm_eps)
+
+    @cuda.jit(device=True, inline="always")
+    def normed_pair(h, i, scale, weight_pair):
+        """The half2 (xn[i], xn[i+1]), xn = float16(h * scale * weight) exactly as kernels/rmsnorm.py."""
+        w0, w1 = half2_to_float2(weight_pair)
+        return float2_to_half2(h[i] * scale * w0, h[i + U(1)] * scale * w1)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_normed(activations, xs):
+        # The RMSNorm that used to be its own kernel (3.3 us a launch, 57 launches a step): every
+        # block sums h^2 itself (K float32 from L2, while its first weights are in flight), then
+        # writes xn = h * rsqrt(mean h^2 + eps) * weight into the same layout as stage_x.
+        h, weight_pairs = activations
+        warp_totals = cuda.shared.array(WARPS_PER_BLOCK, float32)
+        t = U(cuda.threadIdx.x)
+        total = float32(0)
+        i = t
+        while i < U(k):
+            total += h[i] * h[i]
+            i += U(THREADS_PER_BLOCK)
+        total = warp_sum(total)
+        if t % U(32) == U(0):
+            warp_totals[t // U(32)] = total
+        cuda.syncthreads()
+        total = float32(0)
+        for w in range(WARPS_PER_BLOCK):
+            total += warp_totals[w]
+        scale = float32(1) / math.sqrt(total * inv_k + eps)
+        q = t
+        while q < quads:  # quad q = inputs 8q .. 8q+7, as in stage_x
+            w0, w1, w2, w3 = ld_global_nc_v4_u32(weight_pairs, U(4) * q)
+            at = U(4) * (q % U(4)) * xs_stride + q // U(4)
+            xs[at] = normed_pair(h, U(8) * q, scale, w0)
+            xs[at + xs_stride] = normed_pair(h, U(8) * q + U(2), scale, w1)
+            xs[at + U(2) * xs_stride] = normed_pair(h, U(8) * q + U(4), scale, w2)
+            xs[at + U(3) * xs_stride] = normed_pair(h, U(8) * q + U(6), scale, w3)
+            q += U(THREADS_PER_BLOCK)
+        cuda.syncthreads()
+
+    stage = stage_x if norm_eps is None else stage_normed
 
     @cuda.jit(device=True, inline="always")
     def multiply(words, scales, row0, c, activations, xs, acc):
@@ -209,8 +265,10 @@ def _dp4a_path(k: int, rows: int) -> _Path:
     return _Path(k // 4, stage, multiply)
 
 
-def _path(path: str, k: int, rows: int) -> _Path:
-    return _prmt_path(k, rows) if path == "prmt" else _dp4a_path(k, rows)
+def _path(path: str, k: int, rows: int, norm_eps: float | None = None) -> _Path:
+    if norm_eps is not None and path != "prmt":
+        raise ValueError("only the prmt path fuses RMSNorm into its staging")
+    return _prmt_path(k, rows, norm_eps) if path == "prmt" else _dp4a_path(k, rows)
 
 
 @cuda.jit(device=True, inline="always")
@@ -228,13 +286,15 @@ def first_row(rows):
 
 
 @functools.cache
-def gemv_kernel(path: str, n: int, k: int, rows: int, bias: bool, residual: bool):
+def gemv_kernel(path: str, n: int, k: int, rows: int, bias: bool, residual: bool,
+                norm_eps: float | None = None):
     """gemv_int4(qweight, scales, activations, bias, out) for one shape, path and epilogue.
 
     qweight uint32 [N*K/8] and scales float16 [N*K/128] are flat; `bias` (float16 [N]) is read
     only when bias=True (pass any float16 array otherwise); out is float32 or float16 [N].
+    With norm_eps (prmt only), activations is (h float32 [K], norm weight as uint32 [K/2]).
     """
-    shared_words, stage, multiply = _path(path, k, rows)
+    shared_words, stage, multiply = _path(path, k, rows, norm_eps)
     load_rows = _load_rows(k, rows)
     chunks = U(k // 32)
     words_in_flight = 4 * rows
@@ -276,9 +336,9 @@ def gemv_kernel(path: str, n: int, k: int, rows: int, bias: bool, residual: bool
 
 
 @functools.cache
-def gate_up_kernel(path: str, n: int, k: int, rows: int):
+def gate_up_kernel(path: str, n: int, k: int, rows: int, norm_eps: float | None = None):
     """gate_up_silu(gate_q, gate_s, up_q, up_s, activations, out): out f16 = silu(Wg x) * (Wu x)."""
-    shared_words, stage, multiply = _path(path, k, rows)
+    shared_words, stage, multiply = _path(path, k, rows, norm_eps)
     load_rows = _load_rows(k, rows)
     chunks = U(k // 32)
     words_in_flight = 4 * rows
@@ -350,17 +410,43 @@ def _check(path: str, n: int, k: int, qweight, scales, rows: int) -> None:
 
 
 class _Launcher:
-    """What both GEMV objects share: the grid, the dp4a path's INT8 workspace, the activations."""
+    """What both GEMV objects share: the grid, the dp4a path's INT8 workspace, the activations.
 
-    def __init__(self, path: str, n: int, k: int, rows: int):
+    With a norm (weight float16 [K], eps) the input is the float32 residual stream h and the GEMV
+    reads x = RMSNorm(h) * weight: the prmt kernel computes it while staging (one launch); the
+    dp4a path runs kernels/rmsnorm.py into its own float16 workspace, then quantizes that.
+    """
+
+    def __init__(self, path: str, n: int, k: int, rows: int, norm_weight=None, norm_eps=None):
+        if (norm_weight is None) != (norm_eps is None):
+            raise ValueError("norm_weight and norm_eps go together")
         self.path, self.n, self.k, self.rows = path, n, k, rows
         self.grid = -(-n // (rows * WARPS_PER_BLOCK))
         self.int8 = Int8Activations(k) if path == "dp4a" else None
+        self.norm_eps = None if norm_eps is None else float(norm_eps)
+        self.norm_weight = None if norm_weight is None else _on_device(norm_weight, np.float16)
+        if self.norm_weight is not None and tuple(self.norm_weight.shape) != (k,):
+            raise ValueError(f"norm_weight must have shape ({k},), got {tuple(self.norm_weight.shape)}")
+        if self.norm_weight is not None and path == "dp4a":
+            self.rmsnorm = make_rmsnorm(k, self.norm_eps)
+            self.xn = cuda.device_array(k, np.float16)
+
+    @property
+    def kernel_norm_eps(self):
+        """The eps the kernel itself is built with: only the prmt path fuses the norm."""
+        return self.norm_eps if self.path == "prmt" else None
 
     def activations(self, stream, x):
-        """The kernel's `activations` tuple for x (float16 [K]); quantizes x first on dp4a."""
-        if tuple(x.shape) != (self.k,) or x.dtype != np.float16:
-            raise ValueError(f"x must be float16 [{self.k}], got {x.dtype} {tuple(x.shape)}")
+        """The kernel's `activations` tuple for x: float16 [K], or with a norm float32 h [K]
+        (normalised first on dp4a); quantizes on dp4a."""
+        dtype = np.float16 if self.norm_weight is None else np.float32
+        if tuple(x.shape) != (self.k,) or x.dtype != dtype:
+            raise ValueError(f"x must be {np.dtype(dtype)} [{self.k}], got {x.dtype} {tuple(x.shape)}")
+        if self.norm_weight is not None:
+            if self.int8 is None:
+                return (x, self.norm_weight.view(np.uint32))
+            self.rmsnorm.launch(stream, x, self.norm_weight, self.xn)
+            x = self.xn
         x_pairs = x.view(np.uint32)
         if self.int8 is None:
             return (x_pairs,)
@@ -372,12 +458,12 @@ class Int4Gemv:
     """out = W x (+ bias), or out += W x, for one INT4 linear; built by make_gemv_int4."""
 
     def __init__(self, n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                 rows_per_warp=None):
+                 rows_per_warp=None, norm_weight=None, norm_eps=None):
         rows = default_rows_per_warp(n) if rows_per_warp is None else rows_per_warp
         _check(path, n, k, qweight, scales, rows)
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
-        self._launcher = _Launcher(path, n, k, rows)
+        self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
         self.n, self.k, self.path, self.rows_per_warp, self.out_dtype = n, k, path, rows, out_dtype
         self.qweight = _on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = _on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
@@ -389,10 +475,12 @@ class Int4Gemv:
         """The compiled-on-first-use kernel this object launches."""
         if residual and self.out_dtype != "float32":
             raise ValueError("a residual GEMV accumulates into float32")
-        return gemv_kernel(self.path, self.n, self.k, self.rows_per_warp, self.bias is not None, residual)
+        return gemv_kernel(self.path, self.n, self.k, self.rows_per_warp, self.bias is not None, residual,
+                           self._launcher.kernel_norm_eps)
 
     def launch(self, stream, x, out, *, residual: bool = False) -> None:
-        """out[N] = W x (+ bias), or out[N] += W x when residual; x float16 [K] on the device."""
+        """out[N] = W x (+ bias), or out[N] += W x when residual; x float16 [K] on the device
+        (with a norm: x float32 h [K], and the GEMV reads RMSNorm(h) * norm_weight)."""
         kernel = self.kernel(residual)
         activations = self._launcher.activations(stream, x)
         bias = self.scales if self.bias is None else self.bias  # any float array when unused
@@ -402,11 +490,12 @@ class Int4Gemv:
 class GateUpSilu:
     """out = silu(Wg x) * (Wu x) in float16, gate and up read in one pass; built by make_gate_up_silu."""
 
-    def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None):
+    def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None,
+                 norm_weight=None, norm_eps=None):
         rows = default_rows_per_warp(n, matrices=2) if rows_per_warp is None else rows_per_warp
         _check(path, n, k, gate_q, gate_s, rows)
         _check(path, n, k, up_q, up_s, rows)
-        self._launcher = _Launcher(path, n, k, rows)
+        self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
         self.n, self.k, self.path, self.rows_per_warp = n, k, path, rows
         self.gate_q = _on_device(gate_q, np.uint32).reshape(n * k // 8)
         self.gate_s = _on_device(gate_s, np.float16).reshape(n * k // GROUP_SIZE)
@@ -414,25 +503,30 @@ class GateUpSilu:
         self.up_s = _on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE)
 
     def kernel(self):
-        return gate_up_kernel(self.path, self.n, self.k, self.rows_per_warp)
+        return gate_up_kernel(self.path, self.n, self.k, self.rows_per_warp, self._launcher.kernel_norm_eps)
 
     def launch(self, stream, x, out) -> None:
-        """out float16 [N] = silu(Wg x) * (Wu x); x float16 [K] on the device."""
+        """out float16 [N] = silu(Wg x) * (Wu x); x float16 [K] on the device (with a norm:
+        float32 h [K], as Int4Gemv.launch)."""
         activations = self._launcher.activations(stream, x)
         self.kernel()[self._launcher.grid, THREADS_PER_BLOCK, stream](
             self.gate_q, self.gate_s, self.up_q, self.up_s, activations, out)
 
 
 def make_gemv_int4(n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                   rows_per_warp=None) -> Int4Gemv:
-    """An INT4 GEMV for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128])."""
+                   rows_per_warp=None, norm_weight=None, norm_eps=None) -> Int4Gemv:
+    """An INT4 GEMV for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128]); with
+    norm_weight (float16 [k]) and norm_eps it reads RMSNorm(h) * norm_weight of a float32 h."""
     return Int4Gemv(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype,
-                    rows_per_warp=rows_per_warp)
+                    rows_per_warp=rows_per_warp, norm_weight=norm_weight, norm_eps=norm_eps)
 
 
-def make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None) -> GateUpSilu:
-    """The fused MLP input projection: silu(Wg x) * (Wu x) for Wg, Wu [n, k] in INT4."""
-    return GateUpSilu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=rows_per_warp)
+def make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None,
+                      norm_weight=None, norm_eps=None) -> GateUpSilu:
+    """The fused MLP input projection: silu(Wg x) * (Wu x) for Wg, Wu [n, k] in INT4 (x optionally
+    RMSNorm(h) * norm_weight, as make_gemv_int4)."""
+    return GateUpSilu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=rows_per_warp,
+                      norm_weight=norm_weight, norm_eps=norm_eps)
 
 
 def gemv_bytes(n: int, k: int) -> int:
@@ -440,10 +534,12 @@ def gemv_bytes(n: int, k: int) -> int:
     return n * k // 2 + 2 * n * (k // GROUP_SIZE) + 2 * k
 
 
-def _signature(path: str, *, gate_up: bool = False, out=types.float32):
+def _signature(path: str, *, gate_up: bool = False, out=types.float32, norm: bool = False):
     """The kernel's Numba signature (contiguous 1-D arrays; `out` float32 or float16)."""
     flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
-    if path == "prmt":
+    if norm:
+        activations = types.Tuple((types.float32[::1], flat_u32))
+    elif path == "prmt":
         activations = types.UniTuple(flat_u32, 1)
     else:
         activations = types.Tuple((flat_u32, types.float32[::1], types.int32[::1]))
@@ -471,4 +567,13 @@ def compile_targets() -> list[CompileTarget]:
             kernel = gate_up_kernel(path, n, k, default_rows_per_warp(n, matrices=2))
             targets.append(CompileTarget(f"gate_up_silu_{path}[{name} {n}x{k}]", kernel,
                                          _signature(path, gate_up=True), must))
+    # The prmt kernels that read RMSNorm(h) (the engine's qkv, gate-up and lm_head).
+    must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "prmt.b32", "fma.rn.f16x2", "cvt.rn.f16x2.f32")
+    for name, n, k, bias in (("qkv", qkv, hidden, True), ("lm_head", vocab, hidden, False)):
+        kernel = gemv_kernel("prmt", n, k, default_rows_per_warp(n), bias, False, 1e-6)
+        targets.append(CompileTarget(f"gemv_int4_prmt[{name} {n}x{k}, fused rmsnorm]", kernel,
+                                     _signature("prmt", norm=True), must))
+    kernel = gate_up_kernel("prmt", intermediate, hidden, default_rows_per_warp(intermediate, matrices=2), 1e-6)
+    targets.append(CompileTarget(f"gate_up_silu_prmt[gate_up {intermediate}x{hidden}, fused rmsnorm]", kernel,
+                                 _signature("prmt", gate_up=True, norm=True), must))
     return targets

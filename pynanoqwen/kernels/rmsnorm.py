@@ -1,6 +1,8 @@
 """RMSNorm of the residual stream: xn = float16(h * rsqrt(mean(h^2) + eps) * weight).
 
-Runs before every QKV, gate-up and lm_head GEMV. The residual adds themselves happen in the
+Runs before every QKV, gate-up and lm_head GEMV, unless the GEMV applies the norm itself (the
+engine's default on the prmt path: kernels/gemv_int4.py, norm_weight=); then it runs only for
+the FP16 lm_head and on the dp4a path, inside the GEMV object. The residual adds themselves happen in the
 epilogues of the o_proj and down_proj GEMVs (they accumulate into `h`), so this kernel only reads
 the float32 stream `h` and writes the FP16 activation the next GEMV reads (docs/DECODE.md).
 

@@ -8,6 +8,9 @@ that holds its bits (low half = element 0, as in memory), and these two intrinsi
   PTX ISA, Half Precision Floating-Point Instructions: fma (`fma.rn.f16x2`).
 - `half2_to_float2(h)`: the two halves as float32 (exact). PTX ISA, Data Movement and Conversion
   Instructions: mov (unpack a .b32 into two .f16) and cvt (`cvt.f32.f16`).
+- `float2_to_half2(lo, hi)`: two float32 rounded to nearest even into one half2 (lo = element 0).
+  PTX ISA, Data Movement and Conversion Instructions: cvt (`cvt.rn.f16x2.f32 d, a, b` puts a in
+  the upper half and b in the lower one).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def _fma_f16(a: np.float16, b: np.float16, c: np.float16) -> np.float16:
 
 def fma_f16x2_simulated(a, b, c):
     return _word(*(_fma_f16(x, y, z) for x, y, z in zip(_halves(a), _halves(b), _halves(c))))
+
+
+def float2_to_half2_simulated(lo, hi):
+    return _word(np.float16(lo), np.float16(hi))
 
 
 def half2_to_float2_simulated(h):
@@ -87,3 +94,18 @@ def half2_to_float2(typingctx, h):
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(unpacked, i) for i in range(2)])
 
     return _FLOAT2(h), codegen
+
+
+@simulator_twin(float2_to_half2_simulated)
+@intrinsic
+def float2_to_half2(typingctx, lo, hi):
+    """The uint32 bits of the half2 (float16(lo), float16(hi)), each rounded to nearest even."""
+    if not (lo == types.float32 and hi == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32, f32]), "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+        return builder.call(asm, list(args))
+
+    return types.uint32(lo, hi), codegen

@@ -138,3 +138,67 @@ def test_gate_up_silu(path):
     bound = (U16 + 8 * U32) * np.abs(expected) + 1.1 * np.abs(u) * float32_bound(wg, x_used, k) \
         + np.abs(silu) * float32_bound(wu, x_used, k)
     assert np.all(np.abs(y - expected) <= bound)
+
+
+def normed_inputs(rng, k):
+    """h = +-2 and norm weight m/8 (|m| <= 8): with eps 0 and K a power of two, mean h^2 = 4 and
+    the RMSNorm scale 1/2 are exact in float32, so xn = h/2 * weight = +-m/8 exactly."""
+    h = (2.0 * rng.choice([-1.0, 1.0], size=k)).astype(np.float32)
+    weight = exact_activations(rng, k)
+    return h, weight, (h.astype(np.float64) / 2) * weight
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("n, k, rows", [(16, 256, 4), (24, 1024, 2)])
+def test_gemv_fused_rmsnorm_exact(path, n, k, rows):
+    rng = np.random.default_rng()
+    qweight, scales, w = random_linear(rng, n, k)
+    h, weight, xn = normed_inputs(rng, k)
+    bias = rng.standard_normal(n).astype(np.float16)
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rows_per_warp=rows,
+                          norm_weight=weight, norm_eps=0.0)
+    y = run(gemv, h, np.full(n, np.nan, np.float32))
+    if path == "dp4a":  # the norm ran as its own kernel into the object's workspace
+        assert np.array_equal(gemv._launcher.xn.copy_to_host().astype(np.float64), xn)
+    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else xn
+    assert np.all(np.abs(y - (w @ x_used + bias)) <= float32_bound(w, x_used, k))
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_gate_up_silu_fused_rmsnorm_exact(path):
+    rng = np.random.default_rng()
+    n, k = 16, 1024
+    gate_q, gate_s, wg = random_linear(rng, n, k)
+    up_q, up_s, wu = random_linear(rng, n, k)
+    h, weight, xn = normed_inputs(rng, k)
+    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=2,
+                            norm_weight=weight, norm_eps=0.0)
+    y = run(mlp, h, np.zeros(n, np.float16)).astype(np.float64)
+    x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else xn
+    g, u = wg @ x_used, wu @ x_used
+    silu = g / (1 + np.exp(-g))
+    expected = silu * u
+    bound = (U16 + 8 * U32) * np.abs(expected) + 1.1 * np.abs(u) * float32_bound(wg, x_used, k) \
+        + np.abs(silu) * float32_bound(wu, x_used, k)  # as test_gate_up_silu
+    assert np.all(np.abs(y - expected) <= bound)
+
+
+def test_prmt_fused_rmsnorm_gaussian_within_bound():
+    """Gaussian h, eps 1e-6, K not a power of two: against float64 RMSNorm then W xn.
+
+    Bound: xn's float32 steps (sum of squares, sqrt, divide, two multiplies: < 8 u32 relative)
+    and its FP16 rounding (u16) per input, times |s w|; then test_prmt_gaussian's FP16
+    accumulation bound and the float32 bound, both over |xn|.
+    """
+    rng = np.random.default_rng()
+    n, k, eps = 16, 1152, 1e-6
+    qweight, scales, w = random_linear(rng, n, k)
+    h = (3.0 * rng.standard_normal(k)).astype(np.float32)
+    weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
+    h64 = h.astype(np.float64)
+    xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", rows_per_warp=2, norm_weight=weight, norm_eps=eps)
+    y = run(gemv, h, np.full(n, np.nan, np.float32))
+    magnitude = np.abs(w) @ np.abs(xn)
+    bound = (U16 + 8 * U32) * magnitude + 16 * U16 * (1 + U16) * magnitude + float32_bound(w, xn, k)
+    assert np.all(np.abs(y - w @ xn) <= bound)
