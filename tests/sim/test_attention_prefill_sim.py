@@ -1,0 +1,94 @@
+"""Prefill attention (cp.async ring + ldmatrix + mma.sync + online softmax) in the CUDA simulator,
+against a float64 causal softmax attention over the gathered cache.
+
+Tiny shapes: 4 query heads over 2 KV heads (GQA group 2), head_dim 32, M_cap 32 rows (two blocks
+of 16 positions, so short chunks leave a block that must exit at once). The page table is a
+random permutation of a larger pool; every cache slot outside positions 0..start+m-1, and every q
+row >= m, holds NaN, so reading a key the causal mask excludes, a slot past the chunk or a wrong
+page poisons the output. One kernel object serves every (start, m) in turn, as in a CUDA graph.
+
+Tolerance, derived per output element (not tuned). The reference takes q at the precision the
+kernel feeds the tensor cores: fp16(q * log2(e) / sqrt(d)), with K and V exactly the fp16 cache.
+What the kernel still rounds: the softmax weights to fp16 before P V (relative 2^-11 each, so at
+most 2^-11 sum_j w_j |v_j| on the output), float32 sums (scores over d products, each row sum and
+O accumulator over the keys, the rescalings: relative (keys + d + 4) 2^-23 of the same sum, and
+scores off by up to Delta = d 2^-23 max_j sum_d |q_d k_jd| in log2 units, which moves the
+normalised weights by a factor within 2^(+-2 Delta)), and the final fp16 store (2^-11 |out| plus
+2^-25 for subnormals). The simulator's mma is exact then rounded to float32, within that bound.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, make_prefill_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
+M_CAP = 32
+MAX_PAGES = 4
+POOL_PAGES = 7
+Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(HEAD_DIM))
+
+
+def reference_and_bound(q, k_pages, v_pages, page_table, start, m):
+    """(expected, tolerance) float64 [m, heads * d]: causal softmax attention of rows 0..m-1 with q
+    at fp16-operand precision, and the error bound of the module docstring."""
+    q_operand = (q[:m] * Q_SCALE).astype(np.float16).astype(np.float64)  # log2-domain scores' q
+    positions = np.arange(start + m)
+    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    keys = k_pages[pages, :, slots].astype(np.float64)  # [positions, kv heads, d]
+    values = v_pages[pages, :, slots].astype(np.float64)
+    group = NUM_HEADS // NUM_KV_HEADS
+    causal = positions[None, :] <= start + np.arange(m)[:, None]  # [row, key]
+    expected = np.empty((m, NUM_HEADS, HEAD_DIM))
+    tolerance = np.empty((m, NUM_HEADS, HEAD_DIM))
+    for h in range(NUM_HEADS):
+        k, v = keys[:, h // group], values[:, h // group]
+        scores = np.where(causal, q_operand[:, h] @ k.T, -np.inf)  # log2 units
+        weights = np.exp2(scores - scores.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        expected[:, h] = weights @ v
+        delta = HEAD_DIM * 2.0 ** -23 * np.where(causal, np.abs(q_operand[:, h]) @ np.abs(k).T, 0).max(axis=1)
+        count = causal.sum(axis=1)
+        relative = 2.0 ** -11 + (count + HEAD_DIM + 4) * 2.0 ** -23 + np.expm1(2 * math.log(2) * delta)
+        tolerance[:, h] = (weights @ np.abs(v)) * relative[:, None] + 2.0 ** -11 * np.abs(expected[:, h]) + 2.0 ** -25
+    return expected.reshape(m, -1), tolerance.reshape(m, -1)
+
+
+def random_case(rng, start, m):
+    """q, K/V pools (shuffled pages, NaN outside positions 0..start+m-1) and the page table."""
+    shape = (POOL_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k_pages = np.full(shape, np.nan, np.float16)
+    v_pages = np.full(shape, np.nan, np.float16)
+    page_table = rng.permutation(POOL_PAGES)[:MAX_PAGES].astype(np.int32)
+    positions = np.arange(start + m)
+    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    k_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
+    v_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
+    q = np.full((M_CAP, NUM_HEADS, HEAD_DIM), np.nan, np.float32)
+    # Scaled so that the softmax is peaked enough to depend on every score.
+    q[:m] = 3.0 * rng.standard_normal((m, NUM_HEADS, HEAD_DIM))
+    return q, k_pages, v_pages, page_table
+
+
+@pytest.mark.parametrize("query_tile", [16, 32])
+def test_prefill_attention_matches_causal_reference(query_tile):
+    rng = np.random.default_rng(2000 + query_tile)
+    attention = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, query_tile=query_tile)
+    stream = cuda.stream()
+    cases = [(0, 1), (0, 7), (0, 20), (5, 1), (5, 7), (5, 20), (16, 1), (16, 7), (16, 20)] if query_tile == 16 \
+        else [(5, 20)]  # two 16-row warps per head: one past m, one straddling it
+    for start, m in cases:
+        q, k_pages, v_pages, page_table = random_case(rng, start, m)
+        out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
+        attention.launch(stream, cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
+                         cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
+                         cuda.to_device(np.array([m], np.int32)), out)
+        expected, tolerance = reference_and_bound(q, k_pages, v_pages, page_table, start, m)
+        got = out.copy_to_host()[:m].astype(np.float64)
+        error = np.abs(got - expected)
+        assert np.all(error <= tolerance), (f"start {start}, m {m}, query tile {query_tile}: max error "
+                                            f"{np.nanmax(error):.3g}, {np.sum(~(error <= tolerance))} elements "
+                                            f"over their bound (at most {tolerance.max():.3g})")

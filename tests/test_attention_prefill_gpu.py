@@ -1,0 +1,121 @@
+"""Prefill attention on the GPU at Qwen2.5-7B shapes (28 query heads, 4 KV heads, head_dim 128)
+against float64 causal softmax attention over the gathered cache, and its speed inside a CUDA graph.
+
+One kernel object with M_cap = 2048 serves every (start, m), as in the engine's captured graph, so
+short chunks also check that the blocks past m exit. Slots outside positions 0..start+m-1 and q
+rows >= m hold NaN, and the page table is shuffled, as in tests/sim/test_attention_prefill_sim.py.
+
+Tolerance, derived per output element (not tuned). The reference takes q at the precision the
+kernel feeds the tensor cores, fp16(q * log2(e) / sqrt(d)), and K, V exactly (the cache is fp16).
+The kernel then still rounds: the softmax weights to fp16 before P V (at most 2^-11 sum_j w_j |v_j|
+on the output); float32 sums (scores over d products, row sums and O accumulators over the keys,
+the rescalings: relative (keys + d + 4) 2^-23 of the same sum, and scores off by up to
+Delta = d 2^-23 max_j sum_d |q_d k_jd| in log2 units, which moves the normalised weights by a
+factor within 2^(+-2 Delta)); and the final fp16 store (2^-11 |out| + 2^-25 for subnormals).
+ex2.approx's relative error (~2^-22) is inside the (keys + d + 4) 2^-23 term.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pynanoqwen.gpu_timing import time_graph
+from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, attention_flops, make_prefill_attention
+
+pytestmark = pytest.mark.gpu
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
+MAX_PAGES = 32768 // PAGE_SIZE
+POOL_PAGES = 300  # holds positions 0..4095 (256 pages) and some pages nothing points to
+M_CAP = 2048
+Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(HEAD_DIM))
+
+
+def reference_and_bound(q, k_pages, v_pages, page_table, start, m):
+    """(expected, tolerance) float64 [m, heads * d]: causal softmax attention of rows 0..m-1 with q
+    at fp16-operand precision, and the error bound of the module docstring."""
+    q_operand = (q[:m] * Q_SCALE).astype(np.float16).astype(np.float64)
+    positions = np.arange(start + m)
+    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    keys = k_pages[pages, :, slots].astype(np.float64)  # [positions, kv heads, d]
+    values = v_pages[pages, :, slots].astype(np.float64)
+    group = NUM_HEADS // NUM_KV_HEADS
+    causal = positions[None, :] <= start + np.arange(m)[:, None]  # [row, key]
+    count = causal.sum(axis=1)
+    expected = np.empty((m, NUM_HEADS, HEAD_DIM))
+    tolerance = np.empty((m, NUM_HEADS, HEAD_DIM))
+    for h in range(NUM_HEADS):
+        k, v = keys[:, h // group], values[:, h // group]
+        scores = np.where(causal, q_operand[:, h] @ k.T, -np.inf)  # log2 units
+        weights = np.exp2(scores - scores.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        expected[:, h] = weights @ v
+        delta = HEAD_DIM * 2.0 ** -23 * np.where(causal, np.abs(q_operand[:, h]) @ np.abs(k).T, 0).max(axis=1)
+        relative = 2.0 ** -11 + (count + HEAD_DIM + 4) * 2.0 ** -23 + np.expm1(2 * math.log(2) * delta)
+        tolerance[:, h] = (weights @ np.abs(v)) * relative[:, None] + 2.0 ** -11 * np.abs(expected[:, h]) + 2.0 ** -25
+    return expected.reshape(m, -1), tolerance.reshape(m, -1)
+
+
+class Case:
+    """Fresh random q and K/V pools for one (start, m), on the host and the device."""
+
+    def __init__(self, rng, start, m):
+        self.start, self.m = start, m
+        shape = (POOL_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+        self.k_pages = np.full(shape, np.nan, np.float16)
+        self.v_pages = np.full(shape, np.nan, np.float16)
+        # Every entry a valid pool page; the ones the chunk uses distinct and shuffled.
+        self.page_table = rng.integers(0, POOL_PAGES, MAX_PAGES).astype(np.int32)
+        used = -(-(start + m) // PAGE_SIZE)
+        self.page_table[:used] = rng.permutation(POOL_PAGES)[:used]
+        positions = np.arange(start + m)
+        pages, slots = self.page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+        self.k_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
+        self.v_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
+        self.q = np.full((M_CAP, NUM_HEADS, HEAD_DIM), np.nan, np.float32)
+        self.q[:m] = 3.0 * rng.standard_normal((m, NUM_HEADS, HEAD_DIM))  # peaked softmax
+        self.device = [cuda.to_device(a) for a in (self.q, self.k_pages, self.v_pages, self.page_table,
+                                                   np.array([start], np.int32), np.array([m], np.int32))]
+        self.out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
+
+    def launch(self, attention, stream):
+        attention.launch(stream, *self.device, self.out)
+
+    def check(self):
+        expected, tolerance = reference_and_bound(self.q, self.k_pages, self.v_pages, self.page_table,
+                                                  self.start, self.m)
+        error = np.abs(self.out.copy_to_host()[:self.m].astype(np.float64) - expected)
+        assert np.all(error <= tolerance), (f"start {self.start}, m {self.m}: max error {np.nanmax(error):.3g}, "
+                                            f"{np.sum(~(error <= tolerance))} elements over their bound")
+        return float(np.max(error / tolerance))
+
+
+@pytest.fixture(scope="module", params=[16], ids=["query_tile16"])
+def attention(request):
+    return make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, query_tile=request.param)
+
+
+@pytest.mark.parametrize("start, m", [(0, 1), (0, 64), (0, 512), (0, 2048), (2048, 2048)])
+def test_prefill_attention_7b_matches_reference(attention, start, m):
+    case = Case(np.random.default_rng(start * 4096 + m), start, m)
+    stream = cuda.stream()
+    case.launch(attention, stream)
+    stream.synchronize()
+    ratio = case.check()
+    print(f"\nprefill attention 7B start {start:5d} m {m:5d} (query tile {attention.query_tile}): "
+          f"max error / bound {ratio:.3f}")
+
+
+def test_prefill_attention_7b_speed_in_graph(attention):
+    """Prints us per call and TFLOP/s of the causal work; checks the replayed graph's result."""
+    stream = cuda.stream()
+    launches = 10
+    for start, m in ((0, 512), (0, 2048), (2048, 2048)):
+        case = Case(np.random.default_rng(7 + start + m), start, m)
+        seconds = time_graph(stream, lambda: [case.launch(attention, stream) for _ in range(launches)]) / launches
+        flops = attention_flops(start, m, NUM_HEADS, HEAD_DIM)
+        print(f"\nprefill attention 7B start {start:5d} m {m:5d} (query tile {attention.query_tile}, M_cap {M_CAP}): "
+              f"{seconds * 1e6:8.1f} us/call, {flops / 1e9:5.1f} GFLOP -> {flops / seconds / 1e12:6.1f} TFLOP/s")
+        case.check()
