@@ -3,8 +3,9 @@
 Protocol (the seed runtime's): batch 1, a `prompt_tokens`-token prompt, `gen_tokens` generated
 greedily, `repeats` timed runs after one warm-up. What each figure means:
 
-- TTFT: host wall clock from the call to generate() to the first token in host memory: prefill
-  (token by token through the decode graphs, for now) plus the first sampled token.
+- TTFT: host wall clock from the call to generate() to the first token in host memory: the batched
+  prefill (tensor-core GEMMs, replayed as CUDA graphs per prompt-length bucket) plus the first
+  sampled token.
 - ITL: host wall clock between consecutive tokens of one run. The engine enqueues step p + 1
   before waiting for the token of step p, so in steady state this is the GPU time of one step.
 - GB/s: bytes one decode step must read (every INT4 weight and scale, norms, the lm_head, one

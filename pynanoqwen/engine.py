@@ -11,15 +11,33 @@ that allocates, once:
 4. build the kernels (dims baked in) and run one step of each kind eagerly, which compiles them;
 5. capture six CUDA graphs (graphs.py): {prompt, argmax, candidates} (kernels/sampling.py) x
    {same page, new page}; a step at a position p with p % 16 == 0 starts a KV page, so its
-   graph begins with page_alloc.
+   graph begins with page_alloc. The prefill graphs (below) are captured later, on first use.
 
 A step is then one cuGraphLaunch (or, with eager=True, the same kernels launched one by one).
 Everything that changes between steps lives in device memory: the position, the tokens (the
 embedding reads tokens[pos], the sampler writes tokens[pos + 1] and advances pos), the page
 table and the sampling parameters.
 
-Generation: the prompt runs through the decode path one token at a time (the "prompt" graphs,
-without lm_head), then the first sampled token, then one step per token. The host learns each
+Prefill (`prefill`): the whole prompt runs as a batch of rows through the tensor-core INT4 GEMMs
+(kernels/gemm_int4.py, built over the same weight arrays as the GEMVs: no second copy) in chunks
+of at most `prefill_rows` (2048) tokens. Per chunk of m tokens at positions start..start + m - 1:
+page_alloc_range (the pages the chunk starts, numbered as m decode steps would number them) ->
+embedding_rows -> per layer: rmsnorm_rows -> QKV GEMM (+ bias) -> rope_kv_write_rows (K/V into
+the pages) -> prefill attention (each row attends to every earlier position through the pages)
+-> o_proj GEMM += h -> rmsnorm_rows -> gate-up-SiLU GEMM -> down GEMM += h; then last_row copies
+the chunk's last row into the decode `h` and sets pos = start + m - 1, and the decode step's own
+final norm, lm_head and sampler sample tokens[start + m] and advance pos (a chunk that does not
+end the prompt runs only the "prompt" sampler, which advances pos). So the first token is drawn
+by the same kernels at the same pos as after token-by-token prefill; the logits differ only by
+the GEMMs' rounding against the GEMVs' (FP32 against partly FP16 accumulation), and decode
+continues from identical page tables. `start` and `m` live in device memory (`chunk`), so one
+CUDA graph per bucket of rows (16, 32, ..., 2048) and sampling method serves every chunk that
+fits it: rows m..bucket - 1 are padding (zero embeddings; computed by the GEMMs, never written to
+the KV cache, never read). A bucket's first chunk runs eagerly, which compiles its kernels, and
+its graph is captured right after. `prefill="decode"` (or `prefill(..., mode="decode")`) keeps
+the old path: one decode step per prompt token (the "prompt" graphs, without lm_head).
+
+Generation: prefill and the first sampled token, then one step per token. The host learns each
 token by a 4-byte copy into pinned memory and an event; it launches step p + 1 before waiting
 for the token of step p, so the GPU never idles on the host, and a stop token costs one wasted
 step whose results the next generation overwrites.
@@ -43,12 +61,19 @@ from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .graphs import CudaGraph, capture
 from .kernels.attention_decode import default_num_splits, make_decode_attention
+from .kernels.attention_prefill import make_prefill_attention
 from .kernels.embedding import make_embedding
+from .kernels.embedding_prefill import make_embedding_rows
+from .kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
 from .kernels.gemv_fp16 import fp16_gemv_bytes, make_gemv_fp16
 from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
+from .kernels.last_row_prefill import make_last_row
 from .kernels.page_alloc import PAGE_SIZE, make_page_alloc
+from .kernels.page_alloc_prefill import make_page_alloc_range
 from .kernels.rmsnorm import make_rmsnorm
+from .kernels.rmsnorm_prefill import make_rmsnorm_rows
 from .kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
+from .kernels.rope_kv_write_prefill import make_rope_kv_write_rows
 from .kernels.sampling import METHODS, Sampler, device_params, method_for
 from .sampling import SamplingParams
 from .tensors import QWEIGHT, SCALES, layer_prefix, stored_tensors
@@ -57,10 +82,26 @@ from .tensors import QWEIGHT, SCALES, layer_prefix, stored_tensors
 warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
 
 RESERVED_BYTES = 512 * 2**20  # CUDA context, kernel modules, graphs, workspaces: kept free on top
+PREFILL_BUCKETS = tuple(16 << i for i in range(8))  # rows of the prefill graphs: 16, 32, ..., 2048
 
 
-def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int) -> dict[str, int]:
-    """What the engine allocates on the device for a model whose file tensors total weight_bytes."""
+def prefill_buckets(max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1]) -> tuple[int, ...]:
+    """The chunk sizes the batched prefill captures graphs for: 16, 32, ... up to prefill_rows,
+    or only up to the first that holds max_context tokens. The last is the longest chunk."""
+    buckets = [rows for rows in PREFILL_BUCKETS if rows <= prefill_rows]
+    fits = [rows for rows in buckets if rows >= max_context]
+    return tuple(buckets[:buckets.index(fits[0]) + 1] if fits else buckets)
+
+
+def prefill_row_bytes(cfg: ModelConfig) -> int:
+    """Device bytes of one prefill row: h f32, xn f16, qkv f32, q f32, attn f16, mlp f16."""
+    return 6 * cfg.hidden_size + 4 * (cfg.q_size + 2 * cfg.kv_size) + 6 * cfg.q_size + 2 * cfg.intermediate_size
+
+
+def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int,
+                 prefill_rows: int = PREFILL_BUCKETS[-1]) -> dict[str, int]:
+    """What the engine allocates on the device for a model whose file tensors total weight_bytes
+    (prefill_rows 0: no batched prefill)."""
     pages = -(-max_context // PAGE_SIZE)
     qkv = cfg.q_size + 2 * cfg.kv_size
     splits = default_num_splits(cfg.num_kv_heads)
@@ -70,6 +111,8 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int) -> dict[
         "rope tables": 2 * max_context * (cfg.head_dim // 2) * 4,
         "activations and state": (6 * cfg.hidden_size + 4 * qkv + 6 * cfg.q_size + 2 * cfg.intermediate_size
                                   + 4 * cfg.vocab_size + 4 * (max_context + 1) + 4 * pages + 64),
+        "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
+                                if prefill_rows else 0),
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
                        + 4 * cfg.num_kv_heads),
         "reserve": RESERVED_BYTES,
@@ -111,21 +154,57 @@ class Layer:
     down: object
     k_pages: object
     v_pages: object
+    prefill: "PrefillLinears | None" = None  # the same weights as tensor-core GEMMs (batched prefill)
+
+
+@dataclasses.dataclass
+class PrefillLinears:
+    """A layer's INT4 GEMMs for prefill (kernels/gemm_int4.py), over the GEMVs' weight arrays."""
+
+    qkv: object
+    o_proj: object
+    gate_up: object
+    down: object
+
+
+@dataclasses.dataclass
+class PrefillRows:
+    """The prefill activations of one bucket: the first `rows` rows of each prefill buffer."""
+
+    h: object  # float32 [rows, hidden], the residual stream
+    xn: object  # float16 [rows, hidden]
+    qkv: object  # float32 [rows, q_size + 2 kv_size]
+    q: object  # float32 [rows, num_heads, head_dim]
+    attn: object  # float16 [rows, q_size]
+    mlp: object  # float16 [rows, intermediate]
 
 
 class CudaBackend:
     """A .nanoqwen model on an NVIDIA GPU (sm_90), decoding through CUDA graphs (generate.Backend)."""
 
     def __init__(self, model, *, max_context: int = 32768, gemv: str = "prmt", eager: bool = False,
-                 verify_data: bool = True):
+                 verify_data: bool = True, fused_norm: bool = True, prefill: str = "batched",
+                 prefill_rows: int = PREFILL_BUCKETS[-1]):
         """`model`: a .nanoqwen path, or any reference.WeightSource (.config, .lm_head_int4,
-        .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums."""
+        .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums.
+        fused_norm: the QKV, gate-up and INT4 lm_head GEMVs apply their RMSNorm themselves (on the
+        prmt path inside the GEMV kernel); False runs kernels/rmsnorm.py into xn before each.
+        prefill: "batched" runs prompts through the tensor-core GEMMs in chunks of at most
+        prefill_rows tokens (a power of two, 16..2048); "decode" one decode step per token (and
+        allocates nothing for the batched path)."""
         _require_gpu()
         if gemv not in ("prmt", "dp4a"):
             raise NanoQwenError(f"gemv must be 'prmt' or 'dp4a', got {gemv!r}")
+        if prefill not in ("batched", "decode"):
+            raise NanoQwenError(f"prefill must be 'batched' or 'decode', got {prefill!r}")
+        if prefill_rows not in PREFILL_BUCKETS:
+            raise NanoQwenError(f"prefill_rows must be one of {', '.join(map(str, PREFILL_BUCKETS))}, "
+                                f"got {prefill_rows}")
+        self.prefill_mode = prefill
         self.max_context = max_context
         self.gemv = gemv
         self.eager = eager
+        self.fused_norm = fused_norm
         is_path = isinstance(model, (str, os.PathLike))
         weights = NanoQwenFile(model, verify_data=verify_data) if is_path else model
         try:
@@ -134,7 +213,9 @@ class CudaBackend:
             if not 1 <= max_context <= cfg.max_position_embeddings:
                 raise NanoQwenError(f"max_context {max_context} must be between 1 and the model's "
                                     f"max_position_embeddings {cfg.max_position_embeddings}")
-            self.memory = device_bytes(cfg, sum(stored_nbytes(cfg, self.lm_head_int4).values()), max_context)
+            self.prefill_buckets = prefill_buckets(max_context, prefill_rows) if prefill == "batched" else ()
+            self.memory = device_bytes(cfg, sum(stored_nbytes(cfg, self.lm_head_int4).values()), max_context,
+                                       prefill_rows if prefill == "batched" else 0)
             _check_free_memory(self.memory, max_context)
             device = cuda.get_current_device().name
             device = device.decode() if isinstance(device, bytes) else device
@@ -147,6 +228,7 @@ class CudaBackend:
         self._allocate_buffers()
         self._build_kernels()
         self.graphs: dict[tuple[str, bool], CudaGraph] = {}
+        self.prefill_graphs: dict[tuple[int, str], CudaGraph] = {}  # (bucket rows, method), captured on first use
         self._compile()
         if not eager:
             self._capture_graphs()
@@ -156,6 +238,15 @@ class CudaBackend:
     def _copy(self, array: np.ndarray):
         """One host-to-device copy of a stored tensor (for a file, a view of its mmap)."""
         return cuda.to_device(array, stream=self.stream)
+
+    def _norm(self, weight) -> dict:
+        """The RMSNorm arguments of a GEMV that reads the normalised h (none unless fused_norm)."""
+        return dict(norm_weight=weight, norm_eps=self.config.rms_norm_eps) if self.fused_norm else {}
+
+    @property
+    def lm_head_fused_norm(self) -> bool:
+        """Whether the lm_head normalises h itself (the FP16 lm_head never does)."""
+        return self.fused_norm and self.lm_head_int4
 
     def _load_weights(self, file) -> None:
         cfg, s = self.config, self.stream
@@ -185,14 +276,23 @@ class CudaBackend:
             up_q, up_s = linear("mlp.up_proj")
             down_q, down_s = linear("mlp.down_proj")
             h, i = cfg.hidden_size, cfg.intermediate_size
+            input_norm = self._copy(file.tensor(p + "input_layernorm.weight"))
+            post_attention_norm = self._copy(file.tensor(p + "post_attention_layernorm.weight"))
             self.layers.append(Layer(
-                input_norm=self._copy(file.tensor(p + "input_layernorm.weight")),
-                post_attention_norm=self._copy(file.tensor(p + "post_attention_layernorm.weight")),
-                qkv=make_gemv_int4(q + 2 * kv, h, qkv_q, qkv_s, path=self.gemv, bias=qkv_bias),
+                input_norm=input_norm,
+                post_attention_norm=post_attention_norm,
+                qkv=make_gemv_int4(q + 2 * kv, h, qkv_q, qkv_s, path=self.gemv, bias=qkv_bias,
+                                   **self._norm(input_norm)),
                 o_proj=make_gemv_int4(h, q, o_q, o_s, path=self.gemv),
-                gate_up=make_gate_up_silu(i, h, gate_q, gate_s, up_q, up_s, path=self.gemv),
+                gate_up=make_gate_up_silu(i, h, gate_q, gate_s, up_q, up_s, path=self.gemv,
+                                          **self._norm(post_attention_norm)),
                 down=make_gemv_int4(h, i, down_q, down_s, path=self.gemv),
-                k_pages=None, v_pages=None))
+                k_pages=None, v_pages=None,
+                prefill=PrefillLinears(
+                    qkv=make_gemm_int4(q + 2 * kv, h, qkv_q, qkv_s, bias=qkv_bias),
+                    o_proj=make_gemm_int4(h, q, o_q, o_s),
+                    gate_up=make_gate_up_silu_gemm(i, h, gate_q, gate_s, up_q, up_s),
+                    down=make_gemm_int4(h, i, down_q, down_s)) if self.prefill_buckets else None))
         # Weight bytes one step reads: everything but the embedding table, of which it reads one
         # row, unless the table is also the (tied, FP16) lm_head.
         stored = stored_nbytes(cfg, file.lm_head_int4)
@@ -201,7 +301,8 @@ class CudaBackend:
         if file.lm_head_int4:
             self.lm_head = make_gemv_int4(cfg.vocab_size, cfg.hidden_size,
                                           self._copy(file.tensor("lm_head.weight" + QWEIGHT)),
-                                          self._copy(file.tensor("lm_head.weight" + SCALES)), path=self.gemv)
+                                          self._copy(file.tensor("lm_head.weight" + SCALES)), path=self.gemv,
+                                          **self._norm(self.final_norm))
         elif cfg.tie_word_embeddings:  # the FP16 lm_head *is* the embedding table: no second copy
             self.lm_head = make_gemv_fp16(cfg.vocab_size, cfg.hidden_size, self.embed_tokens)
             self.weight_bytes_per_step += embed_bytes
@@ -238,11 +339,34 @@ class CudaBackend:
             device_memset(pool, 0, pool.nbytes, stream=self.stream)
         for index, layer in enumerate(self.layers):
             layer.k_pages, layer.v_pages = self.k_pool[index], self.v_pool[index]
+        if self.prefill_buckets:
+            self._allocate_prefill_buffers()
         cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, self.max_context)
         self.rope_cos, self.rope_sin = self._copy(cos), self._copy(sin)
         # The host side of token streaming: two pinned slots, each with the event of its copy.
         self.host_tokens = cuda.pinned_array(2, np.int32)
         self.token_ready = [cuda.event(timing=False) for _ in range(2)]
+
+    def _allocate_prefill_buffers(self) -> None:
+        """The prefill rows for the largest bucket (docs in the module docstring), zeroed once so
+        that padding rows never hold NaN bit patterns, and each bucket's views of them."""
+        from numba.cuda.cudadrv.driver import device_memset
+
+        cfg, rows = self.config, self.prefill_buckets[-1]
+        full = PrefillRows(h=cuda.device_array((rows, cfg.hidden_size), np.float32),
+                           xn=cuda.device_array((rows, cfg.hidden_size), np.float16),
+                           qkv=cuda.device_array((rows, cfg.q_size + 2 * cfg.kv_size), np.float32),
+                           q=cuda.device_array((rows, cfg.num_heads, cfg.head_dim), np.float32),
+                           attn=cuda.device_array((rows, cfg.q_size), np.float16),
+                           mlp=cuda.device_array((rows, cfg.intermediate_size), np.float16))
+        buffers = [getattr(full, field.name) for field in dataclasses.fields(full)]
+        for buffer in buffers:
+            device_memset(buffer, 0, buffer.nbytes, stream=self.stream)
+        self.prefill_views = {bucket: PrefillRows(*(buffer[:bucket] for buffer in buffers))
+                              for bucket in self.prefill_buckets}
+        # The chunk in flight: (start, m), written by the host before each chunk's graph.
+        self.chunk = cuda.device_array(2, np.int32)
+        self.chunk_start, self.chunk_rows = self.chunk[0:1], self.chunk[1:2]
 
     def _build_kernels(self) -> None:
         cfg = self.config
@@ -252,6 +376,14 @@ class CudaBackend:
         self.attention = make_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.max_pages)
         self.page_alloc = make_page_alloc()
         self.sampler = Sampler(cfg.vocab_size)
+        if self.prefill_buckets:
+            self.page_alloc_range = make_page_alloc_range()
+            self.embedding_rows = make_embedding_rows(cfg.hidden_size)
+            self.rmsnorm_rows = make_rmsnorm_rows(cfg.hidden_size, cfg.rms_norm_eps)
+            self.rope_kv_write_rows = make_rope_kv_write_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            self.prefill_attention = make_prefill_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                            self.max_pages)
+            self.last_row = make_last_row(cfg.hidden_size)
 
     def _compile(self) -> None:
         """Launch every kernel once (Numba compiles on first launch), each sampling method once."""
@@ -268,27 +400,37 @@ class CudaBackend:
 
     def close(self) -> None:
         """Free the graphs (device memory goes when the arrays are garbage collected)."""
-        for graph in self.graphs.values():
-            graph.close()
-        self.graphs.clear()
+        for graphs in (self.graphs, self.prefill_graphs):
+            for graph in graphs.values():
+                graph.close()
+            graphs.clear()
 
     # -- one step ----------------------------------------------------------------------------------
 
     def _enqueue_layer(self, layer: Layer) -> None:
         s = self.stream
-        self.rmsnorm.launch(s, self.h, layer.input_norm, self.xn)
-        layer.qkv.launch(s, self.xn, self.qkv)
+        if self.fused_norm:
+            layer.qkv.launch(s, self.h, self.qkv)
+        else:
+            self.rmsnorm.launch(s, self.h, layer.input_norm, self.xn)
+            layer.qkv.launch(s, self.xn, self.qkv)
         self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, self.pos, self.page_table, self.q,
                                   layer.k_pages, layer.v_pages)
         self.attention.launch(s, self.q, layer.k_pages, layer.v_pages, self.page_table, self.pos, self.attn)
         layer.o_proj.launch(s, self.attn, self.h, residual=True)
-        self.rmsnorm.launch(s, self.h, layer.post_attention_norm, self.xn)
-        layer.gate_up.launch(s, self.xn, self.mlp)
+        if self.fused_norm:
+            layer.gate_up.launch(s, self.h, self.mlp)
+        else:
+            self.rmsnorm.launch(s, self.h, layer.post_attention_norm, self.xn)
+            layer.gate_up.launch(s, self.xn, self.mlp)
         layer.down.launch(s, self.mlp, self.h, residual=True)
 
     def _enqueue_lm_head(self) -> None:
-        self.rmsnorm.launch(self.stream, self.h, self.final_norm, self.xn)
-        self.lm_head.launch(self.stream, self.xn, self.logits)
+        if self.lm_head_fused_norm:
+            self.lm_head.launch(self.stream, self.h, self.logits)
+        else:
+            self.rmsnorm.launch(self.stream, self.h, self.final_norm, self.xn)
+            self.lm_head.launch(self.stream, self.xn, self.logits)
 
     def _enqueue_step(self, method: str, new_page: bool) -> None:
         """The kernels of one decode step, in order (docs/DECODE.md), on self.stream."""
@@ -309,6 +451,69 @@ class CudaBackend:
             self._enqueue_step(method, new_page)
         else:
             self.graphs[method, new_page].launch(self.stream)
+
+    # -- prefill -------------------------------------------------------------------------------------
+
+    def _enqueue_prefill_layer(self, layer: Layer, rows: int) -> None:
+        s, b, gemm = self.stream, self.prefill_views[rows], layer.prefill
+        start, m = self.chunk_start, self.chunk_rows
+        self.rmsnorm_rows.launch(s, b.h, layer.input_norm, b.xn)
+        gemm.qkv.launch(s, b.xn, b.qkv, rows)
+        self.rope_kv_write_rows.launch(s, b.qkv, self.rope_cos, self.rope_sin, start, m, self.page_table, b.q,
+                                       layer.k_pages, layer.v_pages)
+        self.prefill_attention.launch(s, b.q, layer.k_pages, layer.v_pages, self.page_table, start, m, b.attn)
+        gemm.o_proj.launch(s, b.attn, b.h, rows, residual=True)
+        self.rmsnorm_rows.launch(s, b.h, layer.post_attention_norm, b.xn)
+        gemm.gate_up.launch(s, b.xn, b.mlp, rows)
+        gemm.down.launch(s, b.mlp, b.h, rows, residual=True)
+
+    def _enqueue_prefill(self, rows: int, method: str) -> None:
+        """The kernels of one prefill chunk in a bucket of `rows` rows, in order, on self.stream:
+        the tokens at positions chunk_start .. chunk_start + chunk_rows - 1, then the token after
+        them by `method` (the module docstring's Prefill)."""
+        s = self.stream
+        start, m = self.chunk_start, self.chunk_rows
+        self.page_alloc_range.launch(s, start, m, self.page_table, self.next_free_page)
+        self.embedding_rows.launch(s, self.embed_tokens, self.tokens, start, m, self.prefill_views[rows].h)
+        for layer in self.layers:
+            self._enqueue_prefill_layer(layer, rows)
+        self.last_row.launch(s, self.prefill_views[rows].h, start, m, self.h, self.pos)
+        if method != "prompt":
+            self._enqueue_lm_head()
+        self.sampler.launch(s, method, self.logits, self.sampling, self.top_k, self.seed, self.tokens, self.pos)
+
+    def _prefill_chunk(self, start: int, m: int, method: str) -> None:
+        """Enqueue the chunk of m prompt tokens at positions start.. (the device's pos is start)."""
+        rows = next(bucket for bucket in self.prefill_buckets if bucket >= m)
+        self.chunk.copy_to_device(np.array([start, m], np.int32), stream=self.stream)
+        graph = self.prefill_graphs.get((rows, method))
+        if graph is not None and not self.eager:
+            graph.launch(self.stream)
+            return
+        self._enqueue_prefill(rows, method)
+        if not self.eager:  # its kernels are compiled now: record the bucket's graph for later chunks
+            self.stream.synchronize()
+            self.prefill_graphs[rows, method] = capture(self.stream,
+                                                        functools.partial(self._enqueue_prefill, rows, method))
+
+    def prefill(self, n: int, method: str, *, mode: str | None = None) -> None:
+        """Run the prompt tokens[0:n] (reset() put it there) through the model and sample the
+        token after it, tokens[n], by `method` (kernels/sampling.py); afterwards pos = n and the KV
+        cache holds positions 0..n-1. mode: "batched" (chunks through the GEMMs) or "decode" (one
+        decode step per token); by default the constructor's `prefill`."""
+        mode = mode or self.prefill_mode
+        if mode == "decode":
+            for position in range(n - 1):
+                self.step(position, "prompt")
+            self.step(n - 1, method)
+            return
+        if mode != "batched" or not self.prefill_buckets:
+            raise ValueError(f"prefill mode {mode!r} is not available (engine built with prefill="
+                             f"{self.prefill_mode!r})")
+        longest = self.prefill_buckets[-1]
+        for start in range(0, n, longest):
+            m = min(longest, n - start)
+            self._prefill_chunk(start, m, method if start + m == n else "prompt")
 
     # -- generation ----------------------------------------------------------------------------------
 
@@ -351,9 +556,7 @@ class CudaBackend:
         self.reset(prompt_ids, params)
         if max_new_tokens < 1:
             return
-        for position in range(n - 1):
-            self.step(position, "prompt")
-        self.step(n - 1, method)
+        self.prefill(n, method)
         self._request_token(n)
         for i in range(max_new_tokens):
             position = n - 1 + i  # the step whose sampled token is tokens[position + 1]
@@ -402,15 +605,23 @@ class CudaBackend:
         sampler_pos = cuda.to_device(np.zeros(1, np.int32), stream=s)
         sampler_tokens = cuda.device_array(self.max_context + 1, np.int32)
         lm_head_bytes = (gemv_bytes(vocab, h) if self.lm_head_int4 else fp16_gemv_bytes(vocab, h)) + 4 * vocab
+        # With fused_norm the QKV, gate-up and INT4 lm_head GEMVs read h (and their norm weight:
+        # 6 bytes per input instead of 2) and only the FP16 lm_head's norm remains a kernel.
+        norms = [] if self.fused_norm else [w for layer in layers for w in (layer.input_norm,
+                                                                            layer.post_attention_norm)]
+        norms += [] if self.lm_head_fused_norm else [self.final_norm]
+        x = self.h if self.fused_norm else self.xn
+        x_lm_head = self.h if self.lm_head_fused_norm else self.xn
+        fused = " +rmsnorm" if self.fused_norm else ""
+        extra = 4 * h if self.fused_norm else 0
+        norm_group = [("rmsnorm", lambda: [self.rmsnorm.launch(s, self.h, w, self.xn) for w in norms],
+                       len(norms), len(norms) * 8 * h)] if norms else []
         return [
             ("embedding", lambda: self.embedding.launch(s, self.embed_tokens, self.tokens, self.pos, self.h),
              1, 6 * h),
-            ("rmsnorm", lambda: [self.rmsnorm.launch(s, self.h, w, self.xn) for layer in layers
-                                 for w in (layer.input_norm, layer.post_attention_norm)]
-             + [self.rmsnorm.launch(s, self.h, self.final_norm, self.xn)], 2 * len(layers) + 1,
-             (2 * len(layers) + 1) * 8 * h),
-            (f"qkv gemv {self.gemv}", lambda: [layer.qkv.launch(s, self.xn, self.qkv) for layer in layers],
-             len(layers), len(layers) * (gemv_bytes(qkv, h) + 6 * qkv)),
+            *norm_group,
+            (f"qkv gemv {self.gemv}{fused}", lambda: [layer.qkv.launch(s, x, self.qkv) for layer in layers],
+             len(layers), len(layers) * (gemv_bytes(qkv, h) + 6 * qkv + extra)),
             ("rope_kv_write", lambda: [self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, at_context,
                                                                  identity_pages, self.q, layer.k_pages, layer.v_pages)
                                        for layer in layers],
@@ -422,13 +633,14 @@ class CudaBackend:
             (f"o_proj gemv {self.gemv}", lambda: [layer.o_proj.launch(s, self.attn, self.h, residual=True)
                                                   for layer in layers],
              len(layers), len(layers) * (gemv_bytes(h, q_size) + 8 * h)),
-            (f"gate_up_silu {self.gemv}", lambda: [layer.gate_up.launch(s, self.xn, self.mlp) for layer in layers],
-             len(layers), len(layers) * (2 * gemv_bytes(i, h) + 2 * i)),
+            (f"gate_up_silu {self.gemv}{fused}", lambda: [layer.gate_up.launch(s, x, self.mlp) for layer in layers],
+             len(layers), len(layers) * (2 * gemv_bytes(i, h) + 2 * i + extra)),
             (f"down gemv {self.gemv}", lambda: [layer.down.launch(s, self.mlp, self.h, residual=True)
                                                 for layer in layers],
              len(layers), len(layers) * (gemv_bytes(h, i) + 8 * h)),
-            (f"lm_head {'gemv ' + self.gemv if self.lm_head_int4 else 'gemv fp16'}",
-             lambda: self.lm_head.launch(s, self.xn, self.logits), 1, lm_head_bytes),
+            (f"lm_head {'gemv ' + self.gemv if self.lm_head_int4 else 'gemv fp16'}"
+             f"{' +rmsnorm' if self.lm_head_fused_norm else ''}",
+             lambda: self.lm_head.launch(s, x_lm_head, self.logits), 1, lm_head_bytes),
             (f"sampling {method}", lambda: self.sampler.launch(s, method, self.logits, self.sampling, self.top_k,
                                                                self.seed, sampler_tokens, sampler_pos),
              1, 4 * vocab),

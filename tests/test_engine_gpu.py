@@ -306,13 +306,14 @@ def relative_errors(ours: np.ndarray, theirs: np.ndarray) -> dict:
             "max_abs_err_over_max_abs": float(np.abs(ours - theirs).max() / np.abs(theirs).max())}
 
 
-def layer_vs_transformers(tmp_dir, gemv: str = "prmt", seq: int = 24, seed: int = 0) -> dict:
+def layer_vs_transformers(tmp_dir, gemv: str = "prmt", seq: int = 24, seed: int = 0,
+                          fused_norm: bool = True) -> dict:
     """One 7B-dimension decoder layer: engine (INT4) against Qwen2DecoderLayer (float64)."""
     cfg = dataclasses.replace(SEVEN_B, num_layers=1, vocab_size=2048)
     path = os.path.join(tmp_dir, f"layer7b_{seed}.nanoqwen")
     cfg = write_synthetic_nanoqwen(path, cfg, seed)
     x = np.random.default_rng(seed).standard_normal((seq, cfg.hidden_size)).astype(np.float32)
-    backend = CudaBackend(path, max_context=64, gemv=gemv, eager=True)
+    backend = CudaBackend(path, max_context=64, gemv=gemv, eager=True, fused_norm=fused_norm)
     ours = backend.layer_outputs(0, x)
     with NanoQwenFile(path) as file:
         module, rotary = hf_decoder_layer(cfg, file, 0)
@@ -325,10 +326,10 @@ def layer_vs_transformers(tmp_dir, gemv: str = "prmt", seq: int = 24, seed: int 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gemv", ["prmt", "dp4a"])
+@pytest.mark.parametrize("gemv, fused_norm", [("prmt", True), ("dp4a", True), ("prmt", False)])
 @gpu
-def test_decoder_layer_matches_transformers(tmp_path, gemv):
-    result = layer_vs_transformers(tmp_path, gemv)
+def test_decoder_layer_matches_transformers(tmp_path, gemv, fused_norm):
+    result = layer_vs_transformers(tmp_path, gemv, fused_norm=fused_norm)
     print(result)
     assert result["update_max_row_rel_l2"] < LAYER_REL_BOUND[gemv]
 
