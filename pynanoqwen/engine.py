@@ -70,8 +70,7 @@ from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
 from .kernels.last_row_prefill import make_last_row
 from .kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from .kernels.page_alloc_prefill import make_page_alloc_range
-from .kernels.rmsnorm import make_rmsnorm
-from .kernels.rmsnorm_prefill import make_rmsnorm_rows
+from .kernels.rmsnorm import make_rmsnorm, make_rmsnorm_rows
 from .kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
 from .kernels.rope_kv_write_prefill import make_rope_kv_write_rows
 from .kernels.sampling import METHODS, Sampler, device_params, method_for

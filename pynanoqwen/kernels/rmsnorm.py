@@ -1,18 +1,24 @@
-"""RMSNorm of the residual stream: xn = float16(h * rsqrt(mean(h^2) + eps) * weight).
+"""RMSNorm of rows of the residual stream: xn[r] = float16(h[r] * rsqrt(mean(h[r]^2) + eps) * weight).
 
-Runs before every QKV, gate-up and lm_head GEMV, unless the GEMV applies the norm itself (the
-engine's default on the prmt path: kernels/gemv_int4.py, norm_weight=); then it runs only for
-the FP16 lm_head and on the dp4a path, inside the GEMV object. The residual adds themselves happen in the
-epilogues of the o_proj and down_proj GEMVs (they accumulate into `h`), so this kernel only reads
-the float32 stream `h` and writes the FP16 activation the next GEMV reads (docs/DECODE.md).
+Decode normalises one row (the token being decoded); prefill normalises R rows, one per prompt
+token of the chunk (R = the bucket's rows), feeding the tensor-core GEMMs (kernels/gemm_int4.py).
+Padding rows of a prefill chunk are normalised too: they are finite (embedding_prefill.py zeroes
+them), whatever they become is never read, and a fixed grid keeps the launch the same for every
+chunk of a bucket. In decode the norm runs before the QKV, gate-up and lm_head GEMVs only where
+the GEMV does not apply it itself (the engine's default on the prmt path fuses it:
+kernels/gemv_int4.py, norm_weight=): for an FP16 lm_head and on the dp4a path. The residual adds
+happen in the epilogues of the o_proj and down_proj GEMVs, so this kernel only reads the float32
+stream `h` and writes the FP16 activation the next matrix product reads (docs/DECODE.md).
 
-Launch: one block of min(1024, hidden rounded up to a warp) threads; thread t owns elements
-t, t + threads, ... . Each thread sums its squares in float32, `warp_sum` folds each warp, the
-warp totals meet in shared memory, and then every warp folds those totals itself, so all threads
-learn the sum after a single `syncthreads`. Then each thread scales and writes its elements.
-Traffic: hidden * (4 + 2 + 2) bytes, 28 KiB at hidden 3584; like the embedding, the kernel is
-latency, not bandwidth. The float32 sum of squares is accurate to ~1e-6 relative at these sizes,
-well under the FP16 rounding of the output. Measured: not yet (scripts/gpu_check.py times it).
+Launch: one block per row. Decode uses one block of min(1024, hidden) threads (one row: all the
+latency hiding must come from that block); prefill uses 256 threads a row (many rows: several
+blocks per SM beat one large block per row). Thread t owns elements t, t + threads, ... . Each
+thread sums its squares in float32, `warp_sum` folds each warp, the warp totals meet in shared
+memory, then every warp folds those totals itself, so all threads learn the sum after a single
+`syncthreads`; then each thread scales and writes its elements. Traffic: rows x hidden x
+(4 + 2 + 2) bytes: 28 KiB per row at hidden 3584, so decode's launch is latency, not bandwidth
+(3.3 us per launch inside a graph on the H200, bench/logs/2026-11-30-bench-94dec1f.md). The float32
+sum of squares is accurate to ~1e-6 relative at these sizes, well under the FP16 output rounding.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from numba.core import types
 from ..ptx.warp import warp_sum
 from . import CompileTarget
 
-MAX_THREADS = 1024
+DECODE_THREADS = 1024
+PREFILL_THREADS = 256
 
 
 @functools.cache
@@ -38,11 +45,12 @@ def _rmsnorm_kernel(hidden_size: int, eps: float, threads: int):
 
     @cuda.jit
     def rmsnorm(h, weight, xn):
+        row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         warp_totals = cuda.shared.array(32, float32)
         total = float32(0.0)
         for i in range(tid, hidden_size, threads):
-            x = h[i]
+            x = h[row, i]
             total += x * x
         total = warp_sum(total)
         if tid % 32 == 0:
@@ -53,30 +61,40 @@ def _rmsnorm_kernel(hidden_size: int, eps: float, threads: int):
         total = warp_sum(total)
         scale = float32(1.0) / math.sqrt(total * inv_n + eps32)
         for i in range(tid, hidden_size, threads):
-            xn[i] = h[i] * scale * float32(weight[i])
+            xn[row, i] = h[row, i] * scale * float32(weight[i])
 
     return rmsnorm
 
 
 class RmsNorm:
-    """RMSNorm for one hidden size and epsilon; `launch` enqueues it on a stream."""
+    """RMSNorm for one hidden size, epsilon and block size; `launch` enqueues it on a stream."""
 
-    def __init__(self, hidden_size: int, eps: float):
-        self.threads = min(MAX_THREADS, -(-hidden_size // 32) * 32)
+    def __init__(self, hidden_size: int, eps: float, max_threads: int):
+        self.hidden_size = hidden_size
+        self.threads = min(max_threads, -(-hidden_size // 32) * 32)
         self.kernel = _rmsnorm_kernel(hidden_size, float(eps), self.threads)
 
     def launch(self, stream, h, weight, xn) -> None:
-        """h float32 [hidden], weight float16 [hidden] -> xn float16 [hidden]."""
-        self.kernel[1, self.threads, stream](h, weight, xn)
+        """h float32 [hidden] or [R, hidden], weight float16 [hidden] -> xn float16 of h's shape
+        (or [>= R, hidden]: rows 0 .. R - 1 are written)."""
+        if h.ndim == 1:  # one token: a one-row view of the same memory
+            h, xn = h.reshape(1, self.hidden_size), xn.reshape(1, self.hidden_size)
+        self.kernel[h.shape[0], self.threads, stream](h, weight, xn)
 
 
 def make_rmsnorm(hidden_size: int, eps: float) -> RmsNorm:
-    return RmsNorm(hidden_size, eps)
+    """The decode RMSNorm: one row, one block of up to 1024 threads."""
+    return RmsNorm(hidden_size, eps, DECODE_THREADS)
+
+
+def make_rmsnorm_rows(hidden_size: int, eps: float) -> RmsNorm:
+    """The prefill RMSNorm: R rows, a block of up to 256 threads each."""
+    return RmsNorm(hidden_size, eps, PREFILL_THREADS)
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The 7B hidden size and a tiny one (fewer threads than 1024)."""
-    signature = types.void(types.float32[::1], types.float16[::1], types.float16[::1])
-    return [CompileTarget(f"rmsnorm[hidden={hidden}]", RmsNorm(hidden, 1e-6).kernel, signature,
-                          ("shfl.sync.bfly.b32",))
-            for hidden in (3584, 256)]
+    """Both block sizes at the 7B hidden size and a tiny one (fewer threads than a block)."""
+    signature = types.void(types.float32[:, ::1], types.float16[::1], types.float16[:, ::1])
+    return [CompileTarget(f"rmsnorm[hidden={hidden}, threads={threads}]",
+                          RmsNorm(hidden, 1e-6, threads).kernel, signature, ("shfl.sync.bfly.b32",))
+            for hidden in (3584, 256) for threads in (DECODE_THREADS, PREFILL_THREADS)]

@@ -17,7 +17,7 @@ from pynanoqwen.kernels.embedding_prefill import make_embedding_rows
 from pynanoqwen.kernels.last_row_prefill import make_last_row
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from pynanoqwen.kernels.page_alloc_prefill import make_page_alloc_range
-from pynanoqwen.kernels.rmsnorm_prefill import make_rmsnorm_rows
+from pynanoqwen.kernels.rmsnorm import make_rmsnorm_rows
 from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
 from pynanoqwen.kernels.rope_kv_write_prefill import make_rope_kv_write_rows
 
