@@ -83,6 +83,15 @@ class ModelConfig:
         if cfg.get("rope_scaling"):
             raise ConfigError(f"rope_scaling {cfg['rope_scaling']!r} is not implemented; "
                               "remove it from config.json to run at the native context")
+        # transformers 5 writes RoPE settings as rope_parameters = {"rope_type": ..., "rope_theta": ...}
+        # instead of a top-level rope_theta; read either, and refuse any RoPE type but the default.
+        rope = cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_parameters rope_type {rope['rope_type']!r} is not implemented "
+                              "(only the default RoPE)")
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         if cfg.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true is not implemented")
         act = cfg.get("hidden_act", "silu")
@@ -102,7 +111,7 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 vocab_size=int(cfg["vocab_size"]),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(rope_theta),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
