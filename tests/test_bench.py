@@ -151,7 +151,7 @@ def test_torch_baseline_model_computes_our_model():
     ours = ReferenceModel(weights).forward(tokens.tolist())
     model = build_model(weights, device="cpu")
     with torch.no_grad():
-        theirs = model(torch.tensor([tokens])).logits[0].float().numpy()
+        theirs = model(torch.from_numpy(tokens[None])).logits[0].float().numpy()
     rel = np.linalg.norm(theirs - ours) / np.linalg.norm(ours)
     print(f"bf16 baseline vs reference: rel {rel:.4f}")
     # bf16 keeps 8 bits (u = 2^-8 = 0.0039); weights, activations and the residual stream are each
