@@ -15,12 +15,11 @@ factor within 2^(+-2 Delta)); and the final fp16 store (2^-11 |out| + 2^-25 for 
 ex2.approx's relative error (~2^-22) is inside the (keys + d + 4) 2^-23 term.
 """
 
-import math
-
 import numpy as np
 import pytest
 from numba import cuda
 
+from attention_prefill_oracle import reference_and_bound
 from pynanoqwen.gpu_timing import time_graph
 from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, attention_flops, make_prefill_attention
 
@@ -30,32 +29,6 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 MAX_PAGES = 32768 // PAGE_SIZE
 POOL_PAGES = 300  # holds positions 0..4095 (256 pages) and some pages nothing points to
 M_CAP = 2048
-Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(HEAD_DIM))
-
-
-def reference_and_bound(q, k_pages, v_pages, page_table, start, m):
-    """(expected, tolerance) float64 [m, heads * d]: causal softmax attention of rows 0..m-1 with q
-    at fp16-operand precision, and the error bound of the module docstring."""
-    q_operand = (q[:m] * Q_SCALE).astype(np.float16).astype(np.float64)
-    positions = np.arange(start + m)
-    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    keys = k_pages[pages, :, slots].astype(np.float64)  # [positions, kv heads, d]
-    values = v_pages[pages, :, slots].astype(np.float64)
-    group = NUM_HEADS // NUM_KV_HEADS
-    causal = positions[None, :] <= start + np.arange(m)[:, None]  # [row, key]
-    count = causal.sum(axis=1)
-    expected = np.empty((m, NUM_HEADS, HEAD_DIM))
-    tolerance = np.empty((m, NUM_HEADS, HEAD_DIM))
-    for h in range(NUM_HEADS):
-        k, v = keys[:, h // group], values[:, h // group]
-        scores = np.where(causal, q_operand[:, h] @ k.T, -np.inf)  # log2 units
-        weights = np.exp2(scores - scores.max(axis=1, keepdims=True))
-        weights /= weights.sum(axis=1, keepdims=True)
-        expected[:, h] = weights @ v
-        delta = HEAD_DIM * 2.0 ** -23 * np.where(causal, np.abs(q_operand[:, h]) @ np.abs(k).T, 0).max(axis=1)
-        relative = 2.0 ** -11 + (count + HEAD_DIM + 4) * 2.0 ** -23 + np.expm1(2 * math.log(2) * delta)
-        tolerance[:, h] = (weights @ np.abs(v)) * relative[:, None] + 2.0 ** -11 * np.abs(expected[:, h]) + 2.0 ** -25
-    return expected.reshape(m, -1), tolerance.reshape(m, -1)
 
 
 class Case:
