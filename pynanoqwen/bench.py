@@ -15,6 +15,13 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   CUDA graph between events; `share` is its time over the sum of all types.
 - The GEMV table times both INT4 paths at every linear shape of the model, rotating weight copies
   larger than the L2 so that every call reads HBM.
+- Prefill sweep: TTFT of prompts of 128, 512, 2048 and 8192 tokens (the longer ones run in chunks
+  of 2048), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
+  row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s the H200 reaches
+  in dense bf16 (PEAK_TFLOPS).
+- GEMM table: the tensor-core INT4 GEMM of each linear at M = 512 with every tile shape
+  (kernels/gemm_int4.py), TFLOP/s, rotating weight copies as the GEMV table does; `default`
+  marks the tile the engine uses.
 
 Nothing here changes clocks or needs root; GPU name, driver and clocks come from nvidia-smi.
 """
@@ -49,6 +56,8 @@ class BenchSettings:
     baseline: str | None = None  # "torch"
     kernels: bool = True
     gemv_paths: bool = True
+    prefill_lengths: tuple[int, ...] = (128, 512, 2048, 8192)  # () skips the sweep
+    gemm_tiles: bool = True
     seed: int = 0
 
     def validate(self) -> "BenchSettings":
@@ -67,7 +76,7 @@ class BenchSettings:
 
     @property
     def max_context(self) -> int:
-        return self.prompt_tokens + self.gen_tokens + 16
+        return max(self.prompt_tokens + self.gen_tokens, *self.prefill_lengths, 0) + 16
 
 
 def gpu_info() -> dict:
@@ -171,14 +180,20 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.kernels:
         progress("per-kernel breakdown")
         result["kernels"] = kernel_breakdown(backend, context)
-    if settings.gemv_paths:
-        progress("GEMV paths at every linear shape")
-        result["gemv"] = gemv_paths(cfg)
+    if settings.prefill_lengths:
+        progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
+        result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
     backend.close()
     del backend
     from numba import cuda
 
-    cuda.current_context().deallocations.clear()  # give the engine's memory back before torch loads
+    cuda.current_context().deallocations.clear()  # give the engine's memory back before the tables and torch
+    if settings.gemv_paths:
+        progress("GEMV paths at every linear shape")
+        result["gemv"] = gemv_paths(cfg)
+    if settings.gemm_tiles:
+        progress("INT4 GEMM tiles at every linear shape, M = 512")
+        result["gemm"] = gemm_tiles(cfg)
     if settings.baseline == "torch":
         from .bench_baseline import torch_baseline
 
@@ -203,6 +218,76 @@ def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:
     h = cfg.hidden_size
     per_layer = sum(n * k for n, k in cfg.linear_shapes.values()) + 2 * h + cfg.q_size + 2 * cfg.kv_size
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * h + 2 * h) + 2 * cfg.num_layers * context * cfg.kv_size * 2
+
+
+PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> int:
+    """FLOPs of a prefill of `tokens` tokens: every linear at every row, causal attention (q k^T
+    and p V over the tokens' earlier positions), and the lm_head for the last row only."""
+    linears = sum(n * k for n, k in cfg.linear_shapes.values())
+    attention = 2 * 2 * cfg.q_size * tokens * (tokens + 1) // 2
+    return cfg.num_layers * (2 * tokens * linears + attention) + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def prefill_sweep(backend, lengths, repeats: int, rng) -> list[dict]:
+    """TTFT of one prompt of each length (one warm-up, which captures its buckets' graphs, then
+    `repeats` timed runs): median ms, prompt tokens/s and TFLOP/s."""
+    cfg = backend.config
+    rows = []
+    for tokens in lengths:
+        prompt = rng.integers(0, min(cfg.vocab_size, 4000), tokens).tolist()
+        times = [time_generation(backend, prompt, 1)[0] for _ in range(repeats + 1)][1:]
+        ttft = bench_report.summarize(times)
+        seconds = ttft["median"] / 1e3
+        rows.append({"tokens": tokens, "ttft_ms": ttft, "tok_s": tokens / seconds,
+                     "tflops": prefill_flops(cfg, tokens) / seconds / 1e12, "peak_tflops": PEAK_TFLOPS})
+    return rows
+
+
+def gemm_tiles(cfg: ModelConfig, m: int = 512) -> list[dict]:
+    """TFLOP/s of the INT4 GEMM of each linear of `cfg` at M = m with each tile shape it can take
+    (split-K only where the epilogue adds into the residual), in CUDA graphs; enough weight copies
+    are rotated that each call reads its weights from HBM, as a prefill does layer after layer."""
+    from numba import cuda
+
+    from .gpu_timing import L2_BYTES, time_graph
+    from .kernels.gemm_int4 import TILE_NAMES, default_tiles_for, gemm_flops, make_gate_up_silu_gemm, \
+        make_gemm_int4
+
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    h, i, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
+    rows = []
+    for name, n, k, epilogue in (("qkv", qkv, h, "bias"), ("o_proj", h, cfg.q_size, "residual"),
+                                 ("gate_up", i, h, "gate_up_silu"), ("down_proj", h, i, "residual")):
+        matrices = 2 if epilogue == "gate_up_silu" else 1
+        weight_bytes = matrices * (n * k // 2 + n * k // 64)
+        copies = max(1, -(-2 * L2_BYTES // weight_bytes))
+        weights = [[(cuda.to_device(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)),
+                     cuda.to_device((rng.uniform(0.005, 0.02, (n, k // 128))).astype(np.float16)))
+                    for _ in range(matrices)] for _ in range(copies)]
+        bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
+        x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
+        out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
+        default = default_tiles_for(m, n, k, epilogue)
+        for tiles in TILE_NAMES:
+            if (tiles.splits > 1 and epilogue != "residual") or not tiles.fits(n, k, matrices):
+                continue
+            if matrices == 2:
+                gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) for w in weights]
+                extra = {}
+            else:
+                gemms = [make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
+                extra = {"residual": epilogue == "residual"}
+            calls = max(copies, 8)
+            seconds = time_graph(stream, lambda: [gemms[c % copies].launch(stream, x, out, m, **extra)
+                                                  for c in range(calls)], replays=5) / calls
+            rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES[tiles],
+                         "default": tiles == default, "us": seconds * 1e6,
+                         "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12})
+    return rows
 
 
 def kernel_breakdown(backend, context: int) -> list[dict]:

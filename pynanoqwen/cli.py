@@ -74,8 +74,10 @@ def info(file):
 @click.option("--gemv", type=click.Choice(["prmt", "dp4a"]), default="prmt", show_default=True,
               help="INT4 unpack variant of the GPU GEMV kernels.")
 @click.option("--eager", is_flag=True, help="Launch GPU kernels one by one instead of replaying a CUDA graph.")
+@click.option("--skip-selfcheck", is_flag=True,
+              help="On the GPU, skip the check of one decode step against the numpy reference before generating.")
 def generate(prompt, model, device, max_new_tokens, temperature, top_k, top_p, seed, chat, system,
-             fim_suffix, max_context, gemv, eager):
+             fim_suffix, max_context, gemv, eager, skip_selfcheck):
     """Generate text after PROMPT, streaming it to stdout; a summary goes to stderr."""
     from .generate import GenerateOptions, run
     from .sampling import SamplingParams
@@ -83,7 +85,7 @@ def generate(prompt, model, device, max_new_tokens, temperature, top_k, top_p, s
     options = GenerateOptions(prompt=prompt, model=model, device=device, max_new_tokens=max_new_tokens,
                               sampling=SamplingParams(temperature, top_k, top_p, seed), chat=chat,
                               system=system, fim_suffix=fim_suffix, max_context=max_context, gemv=gemv,
-                              eager=eager)
+                              eager=eager, self_check=not skip_selfcheck)
     run(options, on_text=lambda text: click.echo(text, nl=False),
         on_status=lambda line: click.echo(line, err=True))
 
@@ -115,16 +117,20 @@ def validate(model, device, prompts, seed):
 @click.option("--baseline", type=click.Choice(["torch"]), help="Also run transformers + torch on the same weights.")
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
 @click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
+@click.option("--no-prefill-sweep", is_flag=True, help="Skip the TTFT sweep over 128, 512, 2048 and 8192-token prompts.")
+@click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every figure to this JSON file.")
 def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, gemv, baseline, no_kernels,
-          no_gemv_paths, json_path):
+          no_gemv_paths, no_prefill_sweep, no_gemm_tiles, json_path):
     """Measure TTFT, ITL, bandwidth and a kernel breakdown on the GPU; print a markdown table."""
     from .bench import BenchSettings, run_bench
     from .bench_report import render_markdown, write_json
 
     settings = BenchSettings(model=model, synthetic=synthetic, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
                              repeats=repeats, eager_tokens=eager_tokens, gemv=gemv, baseline=baseline,
-                             kernels=not no_kernels, gemv_paths=not no_gemv_paths).validate()
+                             kernels=not no_kernels, gemv_paths=not no_gemv_paths,
+                             prefill_lengths=() if no_prefill_sweep else BenchSettings.prefill_lengths,
+                             gemm_tiles=not no_gemm_tiles).validate()
     result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
     click.echo(render_markdown(result))
     if json_path:

@@ -406,42 +406,63 @@ class CudaBackend:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def _enqueue_layer(self, layer: Layer) -> None:
+    def _layer_stages(self, layer: Layer) -> list[tuple[str, Callable[[], None]]]:
+        """The kernels of one decoder layer for one token, in order: (stage name, launch)."""
         s = self.stream
-        if self.fused_norm:
-            layer.qkv.launch(s, self.h, self.qkv)
-        else:
-            self.rmsnorm.launch(s, self.h, layer.input_norm, self.xn)
-            layer.qkv.launch(s, self.xn, self.qkv)
-        self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, self.pos, self.page_table, self.q,
-                                  layer.k_pages, layer.v_pages)
-        self.attention.launch(s, self.q, layer.k_pages, layer.v_pages, self.page_table, self.pos, self.attn)
-        layer.o_proj.launch(s, self.attn, self.h, residual=True)
-        if self.fused_norm:
-            layer.gate_up.launch(s, self.h, self.mlp)
-        else:
-            self.rmsnorm.launch(s, self.h, layer.post_attention_norm, self.xn)
-            layer.gate_up.launch(s, self.xn, self.mlp)
-        layer.down.launch(s, self.mlp, self.h, residual=True)
+        stages = []
+        if not self.fused_norm:
+            stages.append(("input_norm", lambda: self.rmsnorm.launch(s, self.h, layer.input_norm, self.xn)))
+        x = self.h if self.fused_norm else self.xn
+        stages += [
+            ("qkv", lambda: layer.qkv.launch(s, x, self.qkv)),
+            ("rope_kv_write", lambda: self.rope_kv_write.launch(s, self.qkv, self.rope_cos, self.rope_sin, self.pos,
+                                                                self.page_table, self.q, layer.k_pages,
+                                                                layer.v_pages)),
+            ("attention", lambda: self.attention.launch(s, self.q, layer.k_pages, layer.v_pages, self.page_table,
+                                                        self.pos, self.attn)),
+            ("o_proj", lambda: layer.o_proj.launch(s, self.attn, self.h, residual=True))]
+        if not self.fused_norm:
+            stages.append(("post_attention_norm",
+                           lambda: self.rmsnorm.launch(s, self.h, layer.post_attention_norm, self.xn)))
+        return stages + [("gate_up", lambda: layer.gate_up.launch(s, x, self.mlp)),
+                         ("down", lambda: layer.down.launch(s, self.mlp, self.h, residual=True))]
+
+    def _lm_head_stages(self) -> list[tuple[str, Callable[[], None]]]:
+        s = self.stream
+        if self.lm_head_fused_norm:
+            return [("lm_head", lambda: self.lm_head.launch(s, self.h, self.logits))]
+        return [("final_norm", lambda: self.rmsnorm.launch(s, self.h, self.final_norm, self.xn)),
+                ("lm_head", lambda: self.lm_head.launch(s, self.xn, self.logits))]
+
+    def _step_stages(self, method: str, new_page: bool) -> list[tuple[int | None, str, Callable[[], None]]]:
+        """The kernels of one decode step, in order (docs/DECODE.md): (layer or None, stage, launch)."""
+        s = self.stream
+        stages = []
+        if new_page:
+            stages.append((None, "page_alloc",
+                           lambda: self.page_alloc.launch(s, self.pos, self.page_table, self.next_free_page)))
+        stages.append((None, "embedding", lambda: self.embedding.launch(s, self.embed_tokens, self.tokens, self.pos,
+                                                                          self.h)))
+        for index, layer in enumerate(self.layers):
+            stages += [(index, name, launch) for name, launch in self._layer_stages(layer)]
+        if method != "prompt":
+            stages += [(None, name, launch) for name, launch in self._lm_head_stages()]
+        stages.append((None, "sampler", lambda: self.sampler.launch(s, method, self.logits, self.sampling, self.top_k,
+                                                                     self.seed, self.tokens, self.pos)))
+        return stages
+
+    def _enqueue_layer(self, layer: Layer) -> None:
+        for _, launch in self._layer_stages(layer):
+            launch()
 
     def _enqueue_lm_head(self) -> None:
-        if self.lm_head_fused_norm:
-            self.lm_head.launch(self.stream, self.h, self.logits)
-        else:
-            self.rmsnorm.launch(self.stream, self.h, self.final_norm, self.xn)
-            self.lm_head.launch(self.stream, self.xn, self.logits)
+        for _, launch in self._lm_head_stages():
+            launch()
 
     def _enqueue_step(self, method: str, new_page: bool) -> None:
         """The kernels of one decode step, in order (docs/DECODE.md), on self.stream."""
-        s = self.stream
-        if new_page:
-            self.page_alloc.launch(s, self.pos, self.page_table, self.next_free_page)
-        self.embedding.launch(s, self.embed_tokens, self.tokens, self.pos, self.h)
-        for layer in self.layers:
-            self._enqueue_layer(layer)
-        if method != "prompt":
-            self._enqueue_lm_head()
-        self.sampler.launch(s, method, self.logits, self.sampling, self.top_k, self.seed, self.tokens, self.pos)
+        for _, _, launch in self._step_stages(method, new_page):
+            launch()
 
     def step(self, position: int, method: str) -> None:
         """Enqueue the step of the token at `position` (it must equal the device's pos)."""
@@ -674,3 +695,34 @@ class CudaBackend:
                                 self.tokens, self.pos)
             self.stream.synchronize()
         return out
+
+    def probed_step(self, first_token: int, token: int) -> dict[tuple[int | None, str], dict[str, np.ndarray]]:
+        """Run first_token at position 0, then token at position 1 (greedy), eagerly, and copy to
+        the host what each kernel of the second step wrote, right after it ran (selfcheck.py).
+
+        Returns {(layer or None, stage): {buffer name: host array}} for the stages of
+        _step_stages: embedding and o_proj/down -> h; rmsnorm stages -> xn; qkv -> qkv;
+        rope_kv_write -> q and the layer's first KV page (k_page, v_page: positions 0 and 1);
+        attention -> attn; gate_up -> mlp; lm_head -> logits; sampler -> tokens[0:3].
+        """
+        self.reset([first_token, token], SamplingParams())
+        for _, _, launch in self._step_stages("prompt", new_page=True):
+            launch()
+        page = int(self.page_table[0:1].copy_to_host(stream=self.stream)[0])
+        written = {"embedding": ("h",), "o_proj": ("h",), "down": ("h",), "qkv": ("qkv",), "attention": ("attn",),
+                   "gate_up": ("mlp",), "lm_head": ("logits",), "input_norm": ("xn",),
+                   "post_attention_norm": ("xn",), "final_norm": ("xn",)}
+        captured = {}
+        for layer, stage, launch in self._step_stages("argmax", new_page=False):
+            launch()
+            if stage == "rope_kv_write":
+                buffers = {"q": self.q, "k_page": self.layers[layer].k_pages[page],
+                           "v_page": self.layers[layer].v_pages[page]}
+            elif stage == "sampler":
+                buffers = {"tokens": self.tokens[0:3]}
+            else:
+                buffers = {name: getattr(self, name) for name in written[stage]}
+            # Copies into pageable host memory return once done: the next kernel cannot overwrite them.
+            captured[layer, stage] = {name: buffer.copy_to_host(stream=self.stream) for name, buffer in buffers.items()}
+        self.stream.synchronize()
+        return captured

@@ -122,6 +122,7 @@ class GenerateOptions:
     max_context: int = DEFAULT_MAX_CONTEXT
     gemv: str = "prmt"
     eager: bool = False
+    self_check: bool = True  # GPU only: one checked decode step before generating (selfcheck.py)
 
     def validate(self) -> "GenerateOptions":
         self.sampling.validate()
@@ -256,6 +257,10 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                   f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}; pass --model FILE "
                   "for another")
     backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
+    if device == "cuda" and options.self_check:
+        from .selfcheck import require_self_check
+
+        on_status(require_self_check(backend, model_path))
     result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
     on_text("\n")
     on_status(f"{backend.name}: {result.summary()}")

@@ -12,7 +12,8 @@ summary line follows, and the command exits 1 if any check failed. The tiers, ch
   unit       (GPU) each kernel of a decode step against numpy in float64, on fresh random
              activations at the model's shapes (its own weights for the linears), within error
              bounds derived from the kernel's arithmetic (the same bounds as tests/sim).
-  layer      (GPU) decoder layer 0 of the engine against the reference, on fresh random hidden states.
+  layer      (GPU) decoder layer 0 of the engine against the reference, on fresh random hidden states;
+             and the self-check generate runs (selfcheck.py: one decode step, kernel by kernel).
   graph      (GPU) greedy continuations of the prompts, per GEMV variant: CUDA graph replay against
              eager launches (identical tokens, bit-identical teacher-forced logits), and against the
              reference (identical tokens on the embedded model; on any model, the teacher-forced
@@ -416,7 +417,7 @@ def _stream_run(launch) -> None:
     stream.synchronize()
 
 
-def _bound_report(name: str, error: np.ndarray, bound: np.ndarray) -> Check:
+def bound_report(name: str, error: np.ndarray, bound: np.ndarray) -> Check:
     """PASS when every |error| is within its bound; the detail gives the worst error/bound ratio."""
     ratio = np.asarray(error, np.float64) / np.maximum(np.asarray(bound, np.float64), np.finfo(np.float64).tiny)
     worst = int(np.argmax(ratio))
@@ -456,7 +457,7 @@ def check_rmsnorm(weights, rng) -> Iterator[Check]:
     expected = h64 / np.sqrt(np.mean(h64 * h64) + cfg.rms_norm_eps) * weight.astype(np.float64)
     # One FP16 rounding of the output, plus float32 arithmetic (sum of squares, rsqrt, products).
     bound = (U16 + 128 * U32) * np.abs(expected) + 2.0**-25
-    yield _bound_report("rmsnorm", np.abs(xn.copy_to_host().astype(np.float64) - expected), bound)
+    yield bound_report("rmsnorm", np.abs(xn.copy_to_host().astype(np.float64) - expected), bound)
 
 
 def check_rope_kv_write(weights, rng) -> Iterator[Check]:
@@ -501,7 +502,7 @@ def check_rope_kv_write(weights, rng) -> Iterator[Check]:
     if not writes_ok:
         yield passed("rope_kv_write", False, f"position {position}: v slot wrong or another KV slot was written")
         return
-    check = _bound_report("rope_kv_write", np.concatenate([q_error.ravel(), k_error.ravel()]),
+    check = bound_report("rope_kv_write", np.concatenate([q_error.ravel(), k_error.ravel()]),
                           np.concatenate([f32[:heads].ravel() + 1e-30, k_bound.ravel()]))
     yield dataclasses.replace(check, detail=f"position {position}: " + check.detail)
 
@@ -539,7 +540,7 @@ def check_attention(weights, rng) -> Iterator[Check]:
     # FP16 output and exp2.approx weights: the tolerance of tests/test_attention_gpu.py.
     error = np.abs(out.copy_to_host().astype(np.float64) - expected)
     error[np.isnan(error)] = np.inf
-    check = _bound_report("decode attention", error, 2e-3 + 2e-3 * np.abs(expected))
+    check = bound_report("decode attention", error, 2e-3 + 2e-3 * np.abs(expected))
     yield dataclasses.replace(check, detail=f"context {context}: " + check.detail)
 
 
@@ -547,8 +548,12 @@ def _linear(weights, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(weights.tensor(name + QWEIGHT)), np.asarray(weights.tensor(name + SCALES))
 
 
-def _gemv_oracle(qweight, scales, x: np.ndarray, path: str) -> tuple[np.ndarray, np.ndarray]:
+def gemv_oracle(qweight, scales, x: np.ndarray, path: str,
+                input_error: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(W x in float64, the bound on |GEMV(x) - W x| for `path`), for W the dequantized INT4 weight.
+
+    input_error: x is the exact input, and the GEMV reads a copy of it that may be off by up to
+    input_error elementwise (a fused RMSNorm's FP16 output); the bound grows by |W| input_error.
 
     float32: each lane sums K/32/32 chunk results, then 5 warp_sum steps, then the epilogue: at
     most K/32 + 8 roundings of u32 times sum |w x|. prmt: each FP16 half-accumulator rounds 16
@@ -568,7 +573,8 @@ def _gemv_oracle(qweight, scales, x: np.ndarray, path: str) -> tuple[np.ndarray,
         w = dequantize_int4(qweight[rows], scales[rows], np.float64)
         magnitude = np.abs(w) @ (np.abs(x64) + rounding)
         expected[rows] = w @ x64
-        bound[rows] = (k // 32 + 8) * U32 * magnitude + np.abs(w) @ rounding
+        bound[rows] = (k // 32 + 8) * U32 * magnitude + np.abs(w) @ (
+            rounding if input_error is None else rounding + input_error)
         if path == "prmt":
             bound[rows] += 16 * U16 * magnitude
     return expected, bound
@@ -600,25 +606,25 @@ def check_linears(weights, rng) -> Iterator[Check]:
 
     for path in GEMV_VARIANTS:
         x = fp16(h)
-        expected, bound = _gemv_oracle(qkv_q, qkv_s, x, path)
+        expected, bound = gemv_oracle(qkv_q, qkv_s, x, path)
         expected += qkv_bias
         y = _run_gemv(make_gemv_int4(len(qkv_q), h, qkv_q, qkv_s, path=path, bias=qkv_bias), x,
                       np.zeros(len(qkv_q), np.float32))
-        yield _bound_report(f"gemv {path} qkv+bias", np.abs(y - expected), bound + U32 * np.abs(expected))
+        yield bound_report(f"gemv {path} qkv+bias", np.abs(y - expected), bound + U32 * np.abs(expected))
 
         for module, k in (("self_attn.o_proj", q_size), ("mlp.down_proj", i)):
             qw, sc = _linear(weights, f"{p}{module}.weight")
             x, residual = fp16(k), rng.standard_normal(h).astype(np.float32)
-            expected, bound = _gemv_oracle(qw, sc, x, path)
+            expected, bound = gemv_oracle(qw, sc, x, path)
             expected += residual
             y = _run_gemv(make_gemv_int4(h, k, qw, sc, path=path), x, residual, residual=True)
-            yield _bound_report(f"gemv {path} {module.split('.')[1]}+residual", np.abs(y - expected),
+            yield bound_report(f"gemv {path} {module.split('.')[1]}+residual", np.abs(y - expected),
                                 bound + U32 * np.abs(expected))
 
         gate, up = _linear(weights, f"{p}mlp.gate_proj.weight"), _linear(weights, f"{p}mlp.up_proj.weight")
         x = fp16(h)
-        g, g_bound = _gemv_oracle(*gate, x, path)
-        u, u_bound = _gemv_oracle(*up, x, path)
+        g, g_bound = gemv_oracle(*gate, x, path)
+        u, u_bound = gemv_oracle(*up, x, path)
         silu = g / (1 + np.exp(-g))
         expected = silu * u
         y = _run_gemv(make_gate_up_silu(i, h, *gate, *up, path=path), x, np.zeros(i, np.float16))
@@ -626,15 +632,15 @@ def check_linears(weights, rng) -> Iterator[Check]:
         # product; float32 exp, divide and multiply (a few u32 of the result).
         bound = ((U16 + 8 * U32) * np.abs(expected) + 1.1 * np.abs(u) * g_bound
                  + (np.abs(silu) + 1.1 * g_bound) * u_bound)
-        yield _bound_report(f"gemv {path} gate_up_silu", np.abs(y - expected), bound)
+        yield bound_report(f"gemv {path} gate_up_silu", np.abs(y - expected), bound)
 
         if weights.lm_head_int4:
             qw, sc = _linear(weights, "lm_head.weight")
             x = fp16(h)
-            expected, bound = _gemv_oracle(qw, sc, x, path)
+            expected, bound = gemv_oracle(qw, sc, x, path)
             y = _run_gemv(make_gemv_int4(cfg.vocab_size, h, qw, sc, path=path), x,
                           np.zeros(cfg.vocab_size, np.float32))
-            yield _bound_report(f"gemv {path} lm_head", np.abs(y - expected), bound)
+            yield bound_report(f"gemv {path} lm_head", np.abs(y - expected), bound)
 
     if not weights.lm_head_int4:
         name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -645,10 +651,10 @@ def check_linears(weights, rng) -> Iterator[Check]:
         for first in range(0, cfg.vocab_size, GEMV_ROW_BLOCK):
             w = table[first:first + GEMV_ROW_BLOCK].astype(np.float64)
             expected[first:first + len(w)] = w @ x64
-            # FP16 x FP16 products are exact in float32; only the sums round (as in _gemv_oracle).
+            # FP16 x FP16 products are exact in float32; only the sums round (as in gemv_oracle).
             bound[first:first + len(w)] = (h // 32 + 8) * U32 * (np.abs(w) @ np.abs(x64))
         y = _run_gemv(make_gemv_fp16(cfg.vocab_size, h, table), x, np.zeros(cfg.vocab_size, np.float32))
-        yield _bound_report("gemv fp16 lm_head", np.abs(y - expected), bound)
+        yield bound_report("gemv fp16 lm_head", np.abs(y - expected), bound)
 
 
 def check_argmax(weights, rng) -> Iterator[Check]:
@@ -697,6 +703,8 @@ def _release(backend) -> None:
 
 
 def layer_tier(t: Target) -> Iterator[Check]:
+    from .selfcheck import run_self_check
+
     x = random_hidden_states(t)
     ours_delta = reference_layer_outputs(t, 0, x) - x
     for gemv in GEMV_VARIANTS:
@@ -707,11 +715,14 @@ def layer_tier(t: Target) -> Iterator[Check]:
                 yield skipped(f"{gemv} layer 0 vs reference", "this engine has no layer_outputs()")
                 continue
             error = relative_error(layer_outputs(0, x) - x, ours_delta)
+            self_check = run_self_check(backend, t.file, t.rng) if hasattr(backend, "probed_step") else None
         finally:
             _release(backend)
         yield passed(f"{gemv} layer 0 vs reference", error < GPU_LAYER_MAX_REL_ERROR,
                      f"{LAYER_TOKENS} random positions: layer output - input, worst row relative error "
                      f"{error:.2e} (limit {GPU_LAYER_MAX_REL_ERROR:.0e})")
+        if self_check is not None:  # what generate runs before it streams (selfcheck.py)
+            yield passed(f"{gemv} generate's self-check", not self_check.failed, self_check.summary())
 
 
 def reference_teacher_forced(weights, sequences: list[list[int]], first_row: int) -> np.ndarray:

@@ -1,19 +1,43 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: set up, run the gpu-marked tests and the GPU check, keep every log.
-# Usage there (from the repo root, with .whl carried):  bash scripts/device_run.sh [pytest selection...]
-# Logs go to $OUT (the device tool's output folder; ./out elsewhere); a short table prints last.
+# One call on the GPU machine: set up once, then run a plan's steps in lanes, one lane per GPU,
+# every step under its own timeout, every log kept; a table of steps prints last.
+#
+#   bash scripts/device_run.sh scripts/plans/NAME.plan        (from the repo root, with .whl carried)
+#
+# A plan line is `lane | timeout seconds | step name | shell command`; '#' starts a comment. Lane
+# N runs on GPU N (CUDA_VISIBLE_DEVICES=N), its steps one after another; lanes run side by side.
+# A step may wait for another lane's step with `wait_for NAME` (it waits for $OUT/NAME.done).
+# Every step sees $OUT, $MODEL_7B (a random 7B-shaped .nanoqwen, written by the `build_7b` step
+# of whichever lane runs it) and PYTHONPATH set to the repo. Logs: $OUT/<step>.log, $OUT/steps.tsv.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+plan=${1:?usage: device_run.sh PLAN}
+export OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MODEL_7B=/tmp/pynanoqwen-7b.nanoqwen
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"
-sel=("$@"); [ ${#sel[@]} -gt 0 ] || sel=(tests)
-timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${sel[@]}" 2>&1 | tee "$OUT/pytest_gpu.log"
-echo "pytest rc=${PIPESTATUS[0]}"
-if [ -n "${GPU_CHECK:-}" ]; then
-  timeout "${GPU_CHECK_TIMEOUT:-240}" python3 scripts/gpu_check.py $GPU_CHECK 2>&1 | tee "$OUT/gpu_check.log"
-  echo "gpu_check rc=${PIPESTATUS[0]}"
-fi
-grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -3
+printf 'lane\tstep\trc\tseconds\n' > "$OUT/steps.tsv"
+
+wait_for() { while [ ! -e "$OUT/$1.done" ]; do sleep 2; done; }
+export -f wait_for
+
+run_lane() {
+  local lane=$1
+  grep -v '^\s*#' "$plan" | grep -v '^\s*$' | while IFS='|' read -r l limit name command; do
+    l=$(echo $l); limit=$(echo $limit); name=$(echo $name)
+    [ "$l" = "$lane" ] || continue
+    local start=$SECONDS
+    echo "[lane $lane] $name: $command"
+    CUDA_VISIBLE_DEVICES=$lane timeout "$limit" bash -c "$command" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    touch "$OUT/$name.done"
+    printf '%s\t%s\t%s\t%s\n' "$lane" "$name" "$rc" "$((SECONDS - start))" >> "$OUT/steps.tsv"
+    echo "[lane $lane] $name: rc=$rc in $((SECONDS - start)) s"
+  done
+}
+
+lanes=$(grep -v '^\s*#' "$plan" | grep -v '^\s*$' | cut -d'|' -f1 | tr -d ' ' | sort -u)
+for lane in $lanes; do run_lane "$lane" & done
+wait
+echo; column -t -s $'\t' "$OUT/steps.tsv"

@@ -35,6 +35,10 @@ def fake_result(rng):
                   "dp4a_gbs": 1264}],
         "peak_memory_gib": 5.5,
         "baseline": {"name": "torch", **fake_mode(rng, itl=8.0)},
+        "prefill": [{"tokens": 512, "ttft_ms": bench_report.summarize([30.0, 31.0]), "tok_s": 16800.0,
+                     "tflops": 221.0, "peak_tflops": 790.0}],
+        "gemm": [{"name": "gate_up", "n": 18944, "k": 3584, "m": 512, "tile": "large", "default": True,
+                  "us": 516.0, "tflops": 269.4}],
     }
 
 
@@ -64,6 +68,8 @@ def test_markdown_report_has_every_section():
     assert f"{graph_itl:.3f}" in text
     assert "| graph |" in text and "| eager |" in text and "| torch |" in text
     assert "GEMV shape" in text and "kernel (one decode step)" in text
+    assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
+    assert "| gate_up 18944x3584 | large (default) | 516.0 | 269 |" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
 
@@ -158,3 +164,14 @@ def test_torch_baseline_model_computes_our_model():
     # rounded once per layer, measured 0.008 over many seeds: 0.02 allows 5u, not a tuned margin.
     assert rel < 0.02, rel
     assert np.mean(theirs.argmax(-1) == ours.argmax(-1)) >= 0.75
+
+
+def test_prefill_flops_of_the_7b_model():
+    """Counted by hand for Qwen2.5-7B at 512 tokens: per layer the linears hold 3584 x (4608 +
+    3584) + 3 x 3584 x 18944 = 233,046,016 weights (2 FLOPs per weight and row), causal attention
+    2 x 2 x 3584 x 512 x 513 / 2 FLOPs, and the last row's lm_head 2 x 152064 x 3584."""
+    from pynanoqwen.bench import prefill_flops
+    from pynanoqwen.config import PRESETS
+
+    per_layer = 2 * 512 * 233_046_016 + 2 * 2 * 3584 * 512 * 513 // 2
+    assert prefill_flops(PRESETS["7b"], 512) == 28 * per_layer + 2 * 152064 * 3584

@@ -354,6 +354,26 @@ def backend_7b(model_7b):
     backend.close()
 
 
+def test_self_check_passes_and_names_a_corrupted_layer_7b(backend_7b, model_7b):
+    """generate's self-check (selfcheck.py) on the 7B model: passes as loaded, then fails naming
+    layer 5's down projection once that layer's scales are negated on the device (the time it
+    takes is printed: it should stay under a second)."""
+    from pynanoqwen.selfcheck import run_self_check
+
+    with NanoQwenFile(model_7b, verify_data=False) as weights:
+        result = run_self_check(backend_7b, weights)
+        print(f"\n7b {result.summary()}")
+        assert not result.failed, result.summary()
+        scales = backend_7b.layers[5].down.scales
+        original = scales.copy_to_host()
+        scales.copy_to_device(-original)
+        try:
+            broken = run_self_check(backend_7b, weights)
+        finally:
+            scales.copy_to_device(original)
+    assert [c.name for c in broken.failed] == ["layer 5 down"], broken.summary()
+
+
 def teacher_forced_vs_reference(backend, path, tokens: int = 64, seed: int = 0) -> dict:
     """Logits of `tokens` random ids, GPU (teacher forcing) against the numpy ReferenceModel."""
     ids = np.random.default_rng(seed).integers(0, backend.config.vocab_size, tokens)

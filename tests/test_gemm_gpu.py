@@ -1,7 +1,7 @@
 """INT4 tensor-core GEMM on the GPU: every 7B linear (with the epilogue prefill uses there) at
-M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, every
-tile shape the throughput report compares at M = 512, and the TFLOP/s each reaches at M = 512 and
-2048 (run with -s to see it).
+M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, and
+every tile shape bench's GEMM table compares at M = 512; the table itself (bench.gemm_tiles) runs
+once at small shapes.
 
 Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact dequantized weights):
 - the kernel rounds each weight (u - 8) s to FP16 once: u16 mag (scales here are far above the
@@ -23,24 +23,23 @@ The bound is a worst case (~5e-4 mag at K = 3584); a fragment or layout mistake 
 import numpy as np
 import pytest
 
-from pynanoqwen.gpu_timing import L2_BYTES, time_graph
-from pynanoqwen.kernels.gemm_int4 import LARGE, LARGE_SPLIT_K, MEDIUM, NARROW, TILE_NAMES, WIDE, gemm_flops, \
-    make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import SMALL, TILE_NAMES, make_gate_up_silu_gemm, make_gemm_int4
 from pynanoqwen.quant import dequantize_int4
 
 pytestmark = pytest.mark.gpu
 
 U16, U32 = 2.0**-11, 2.0**-24
 HIDDEN, INTERMEDIATE, QKV = 3584, 18944, 4608
-PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
+PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (bench.PEAK_TFLOPS)
 SHAPES = [("qkv", QKV, HIDDEN, "bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "gate_up_silu"), ("down_proj", HIDDEN, INTERMEDIATE, "residual")]
-VARIANTS = {512: (LARGE, MEDIUM, WIDE, NARROW, LARGE_SPLIT_K), 2048: (LARGE, WIDE, LARGE_SPLIT_K)}
 
 
-def variants(m, epilogue):
-    """The tile shapes the report compares at M = m; split-K only where the epilogue adds."""
-    return [tiles for tiles in VARIANTS[m] if tiles.splits == 1 or epilogue == "residual"]
+def variants(n, k, epilogue):
+    """The tile shapes bench's GEMM table compares for this linear; split-K only where the epilogue adds."""
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    return [tiles for tiles in TILE_NAMES if tiles is not SMALL and tiles.fits(n, k, matrices)
+            and (tiles.splits == 1 or epilogue == "residual")]
 
 
 def random_int4(rng, n, k):
@@ -120,43 +119,18 @@ def test_gemm_7b_shapes(name, n, k, epilogue, m):
 
 @pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
 def test_gemm_tile_variants(name, n, k, epilogue):
-    """Every tile shape the throughput report times computes the same function (M = 512)."""
-    check_against_float64(name, n, k, epilogue, 512, variants(512, epilogue))
+    """Every tile shape bench's GEMM table times computes the same function (M = 512)."""
+    check_against_float64(name, n, k, epilogue, 512, variants(n, k, epilogue))
 
 
-def test_gemm_throughput_report():
-    """TFLOP/s per shape, M and tile shape (LARGE is the default from M = 65 on), in CUDA graphs.
-    large 128 x 128 (4 warps of 64 x 64), medium 64 x 128, wide 128 x 256 (8 warps of 64 x 64),
-    narrow 128 x 64 (4 warps of 64 x 32), large_split_k: large over two halves of K (residual).
+def test_bench_gemm_table_times_every_tile():
+    """bench.gemm_tiles (the TFLOP/s table of `bench`) at 0.5B shapes: every tile that fits each
+    shape is timed once, the engine's default is marked, and no figure beats the tensor cores."""
+    from pynanoqwen.bench import gemm_tiles
+    from pynanoqwen.config import PRESETS
 
-    Enough copies of the weights are rotated that together they exceed twice the L2, so each call
-    reads its weights from HBM, as a prefill does layer after layer; x stays in L2 as it would."""
-    from numba import cuda
-
-    rng = np.random.default_rng()
-    stream = cuda.stream()
-    print(f"\nshape                    M  tile            us/call  TFLOP/s  % of {PEAK / 1e12:.0f}")
-    for name, n, k, epilogue in SHAPES:
-        matrices = 2 if epilogue == "gate_up_silu" else 1
-        weight_bytes = matrices * (n * k // 2 + n * k // 64)
-        copies = max(1, -(-2 * L2_BYTES // weight_bytes))
-        weights = [[tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)]
-                   for _ in range(copies)]
-        bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
-        for m in (512, 2048):
-            x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
-            out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
-            for tiles in variants(m, epilogue):
-                if matrices == 2:
-                    gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) for w in weights]
-                    epilogue_args = {}
-                else:
-                    gemms = [make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
-                    epilogue_args = {"residual": epilogue == "residual"}
-                calls = max(copies, 8)
-                seconds = time_graph(stream, lambda: [gemms[i % copies].launch(stream, x, out, m, **epilogue_args)
-                                                      for i in range(calls)], replays=5) / calls
-                flops = gemm_flops(m, n, k, matrices)
-                print(f"{name} {n}x{k}".ljust(22) + f"{m:5d}  {TILE_NAMES[tiles]:13s} {seconds * 1e6:9.1f} "
-                      f"{flops / seconds / 1e12:8.1f}  {100 * flops / seconds / PEAK:5.1f}")
-                assert flops / seconds < PEAK  # faster than the tensor cores: the timing is broken
+    rows = gemm_tiles(PRESETS["0.5b"], m=128)
+    for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+        mine = [r for r in rows if r["name"] == name]
+        assert sum(r["default"] for r in mine) == 1 and len({r["tile"] for r in mine}) == len(mine) > 1
+    assert all(0 < r["tflops"] < PEAK / 1e12 for r in rows)

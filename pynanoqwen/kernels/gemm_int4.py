@@ -70,7 +70,7 @@ API (the prefill path builds these once per layer):
     mlp.launch(stream, x, out, m)                   # out float16 [:m] = silu(x Wg^T) * (x Wu^T)
 
 x is float16 [>= m, K] and out [>= m, N] on the device, C-contiguous. The tile shape is picked
-from m (`default_tiles`) unless the factory was given `tiles=`; nothing is allocated at launch.
+from m and the shape (`default_tiles_for`) unless the factory was given `tiles=`; nothing is allocated at launch.
 """
 
 from __future__ import annotations
@@ -126,6 +126,14 @@ class TileShape:
                              f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
                              f"{STATIC_SHARED_BYTES} bytes of shared memory")
 
+    def fits(self, n: int, k: int, matrices: int) -> bool:
+        """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""
+        try:
+            self.check(matrices)
+        except ValueError:
+            return False
+        return n % (self.block_n // matrices) == 0 and k % (GROUP_SIZE * self.splits) == 0
+
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
@@ -141,12 +149,15 @@ SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
 WIDE = TileShape(128, 256, 2, 4)  # 8 warps of 64 x 64: the activation tile serves twice the weights
 NARROW = TileShape(128, 64, 2, 2)  # warps of 64 x 32: twice LARGE's blocks where N is small
 LARGE_SPLIT_K = TileShape(128, 128, 2, 2, splits=2)  # LARGE over two halves of K (residual GEMMs)
+LARGE_SPLIT_K4 = TileShape(128, 128, 2, 2, splits=4)  # ... over four quarters of K
+MEDIUM_SPLIT_K = TileShape(64, 128, 2, 2, splits=2)  # MEDIUM over two halves of K
 TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NARROW: "narrow",
-              LARGE_SPLIT_K: "large_split_k"}
+              LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k"}
 
 
-def default_tiles(m: int) -> TileShape:
-    """The tile for M activation rows: the largest that does not mostly compute padding."""
+def default_tiles_for(m: int, n: int, k: int, epilogue: str) -> TileShape:
+    """The tile for M activation rows of an N x K linear with this epilogue: the largest that
+    does not mostly compute padding."""
     if m <= 16:
         return SMALL
     return MEDIUM if m <= 64 else LARGE
@@ -354,8 +365,8 @@ class _Launcher:
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
 
-    def tiles_for(self, m: int) -> TileShape:
-        return self.tiles or default_tiles(m)
+    def tiles_for(self, m: int, epilogue: str) -> TileShape:
+        return self.tiles or default_tiles_for(m, self.n, self.k, epilogue)
 
     def launch(self, stream, kernel, tiles: TileShape, x, out, m: int, q0, s0, q1, s1, bias) -> None:
         if x.dtype != np.float16 or x.ndim != 2 or x.shape[1] != self.k or x.shape[0] < m:
@@ -388,7 +399,7 @@ class Int4Gemm:
         if residual and (self.out_dtype != "float32" or self.bias is not None):
             raise ValueError("a residual GEMM accumulates into float32 and takes no bias")
         epilogue = "residual" if residual else ("bias" if self.bias is not None else "plain")
-        tiles = self._launcher.tiles_for(m)
+        tiles = self._launcher.tiles_for(m, epilogue)
         return gemm_kernel(self.n, self.k, tiles, epilogue), tiles
 
     def launch(self, stream, x, out, m: int, *, residual: bool = False) -> None:
@@ -410,7 +421,7 @@ class GateUpSiluGemm:
         self._unused_bias = cuda.device_array(1, np.float16)
 
     def kernel(self, m: int):
-        tiles = self._launcher.tiles_for(m)
+        tiles = self._launcher.tiles_for(m, "gate_up_silu")
         return gemm_kernel(self.n, self.k, tiles, "gate_up_silu"), tiles
 
     def launch(self, stream, x, out, m: int) -> None:
