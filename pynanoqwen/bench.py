@@ -19,7 +19,7 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   of 2048), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
   row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s the H200 reaches
   in dense bf16 (PEAK_TFLOPS).
-- GEMM table: the tensor-core INT4 GEMM of each linear at M = 512 with every tile shape
+- GEMM table: the tensor-core INT4 GEMM of each linear at M = 512 and 2048 with every tile shape
   (kernels/gemm_int4.py), TFLOP/s, rotating weight copies as the GEMV table does; `default`
   marks the tile the engine uses.
 
@@ -192,7 +192,7 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
         progress("GEMV paths at every linear shape")
         result["gemv"] = gemv_paths(cfg)
     if settings.gemm_tiles:
-        progress("INT4 GEMM tiles at every linear shape, M = 512")
+        progress("INT4 GEMM tiles at every linear shape, M = 512 and 2048")
         result["gemm"] = gemm_tiles(cfg)
     if settings.baseline == "torch":
         from .bench_baseline import torch_baseline
@@ -246,10 +246,11 @@ def prefill_sweep(backend, lengths, repeats: int, rng) -> list[dict]:
     return rows
 
 
-def gemm_tiles(cfg: ModelConfig, m: int = 512) -> list[dict]:
-    """TFLOP/s of the INT4 GEMM of each linear of `cfg` at M = m with each tile shape it can take
-    (split-K only where the epilogue adds into the residual), in CUDA graphs; enough weight copies
-    are rotated that each call reads its weights from HBM, as a prefill does layer after layer."""
+def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048)) -> list[dict]:
+    """TFLOP/s of the INT4 GEMM of each linear of `cfg` at each M in `ms` with each tile shape it
+    can take (split-K only where the epilogue adds into the residual), in CUDA graphs; enough
+    weight copies are rotated that each call reads its weights from HBM, as a prefill does layer
+    after layer. `default` marks the tile the engine picks (gemm_int4.default_tiles_for)."""
     from numba import cuda
 
     from .gpu_timing import L2_BYTES, time_graph
@@ -269,25 +270,22 @@ def gemm_tiles(cfg: ModelConfig, m: int = 512) -> list[dict]:
                      cuda.to_device((rng.uniform(0.005, 0.02, (n, k // 128))).astype(np.float16)))
                     for _ in range(matrices)] for _ in range(copies)]
         bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
-        x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
-        out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
-        default = default_tiles_for(m, n, k, epilogue)
+        extra = {"residual": True} if epilogue == "residual" else {}
         for tiles in TILE_NAMES:
             if (tiles.splits > 1 and epilogue != "residual") or not tiles.fits(n, k, matrices):
                 continue
-            if matrices == 2:
-                gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) for w in weights]
-                extra = {}
-            else:
-                gemms = [make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
-                extra = {"residual": epilogue == "residual"}
-            calls = max(copies, 8)
-            seconds = time_graph(stream, lambda: [gemms[c % copies].launch(stream, x, out, m, **extra)
-                                                  for c in range(calls)], replays=5) / calls
-            rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES[tiles],
-                         "default": tiles == default, "us": seconds * 1e6,
-                         "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12})
-    return rows
+            gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) if matrices == 2
+                     else make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
+            for m in ms:
+                x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
+                out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
+                calls = max(copies, 8)
+                seconds = time_graph(stream, lambda: [gemms[c % copies].launch(stream, x, out, m, **extra)
+                                                      for c in range(calls)], replays=5) / calls
+                rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES[tiles],
+                             "default": tiles == default_tiles_for(m, n, k, epilogue), "us": seconds * 1e6,
+                             "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12})
+    return sorted(rows, key=lambda r: r["m"])
 
 
 def kernel_breakdown(backend, context: int) -> list[dict]:

@@ -11,7 +11,7 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     kernels    per-kernel breakdown of one decode step: name, launches, us, bytes, gbs, share
     gemv       prmt vs dp4a at each linear shape: us and GB/s of each
     prefill    TTFT per prompt length: tokens, ttft_ms {median, p10, p90}, tok_s, tflops, peak_tflops
-    gemm       INT4 GEMM per linear shape and tile at M = 512: name, n, k, m, tile, default, us, tflops
+    gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops
     baseline   the same figures for transformers + torch (bf16, static cache, CUDA graph), or absent
 """
 
@@ -118,11 +118,10 @@ def render_markdown(result: dict) -> str:
             lines.append(f"| {r['tokens']} | {t['median']:.1f} ({t['p10']:.1f}-{t['p90']:.1f}) | {r['tok_s']:.0f} | "
                          f"{r['tflops']:.0f} | {100 * r['tflops'] / r['peak_tflops']:.0f}% |")
     if result.get("gemm"):
-        lines += ["", f"| INT4 GEMM at M = {result['gemm'][0]['m']} (N x K) | tile | us | TFLOP/s |",
-                  "| --- | --- | ---: | ---: |"]
+        lines += ["", "| INT4 GEMM (N x K) | M | tile | us | TFLOP/s |", "| --- | ---: | --- | ---: | ---: |"]
         for g in result["gemm"]:
-            lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['tile']}{' (default)' if g['default'] else ''} | "
-                         f"{g['us']:.1f} | {g['tflops']:.0f} |")
+            lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['m']} | {g['tile']}"
+                         f"{' (default)' if g['default'] else ''} | {g['us']:.1f} | {g['tflops']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

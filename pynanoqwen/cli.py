@@ -118,7 +118,7 @@ def validate(model, device, prompts, seed):
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
 @click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
 @click.option("--no-prefill-sweep", is_flag=True, help="Skip the TTFT sweep over 128, 512, 2048 and 8192-token prompts.")
-@click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512).")
+@click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512 and 2048).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every figure to this JSON file.")
 def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, gemv, baseline, no_kernels,
           no_gemv_paths, no_prefill_sweep, no_gemm_tiles, json_path):

@@ -27,8 +27,10 @@ cuda on a machine without a GPU is a FAIL.
 Tolerances of the GPU tiers against the reference: the engine's activations between kernels are
 FP16 (docs/DECODE.md; unit roundoff 2^-11 = 4.9e-4) and so is its KV cache, where the reference
 computes in float32. A handful of FP16 roundings per layer puts the expected relative error near
-1e-3; the gates (GPU_LAYER_MAX_REL_ERROR, GPU_LOGITS_MAX_REL_ERROR, GPU_MIN_TOP1) sit well above that
-and far below what a wrong kernel gives (errors of order 1, agreement near 0). Each line prints
+1e-3; the gates (GPU_LAYER_MAX_REL_ERROR, GPU_LOGITS_MAX_REL_ERROR) sit well above that and far
+below what a wrong kernel gives (errors of order 1). Top-1 agreement must be total on the rows
+whose reference winner leads by more than twice the largest logit error (on random weights many
+rows are near-ties that any rounding may flip; a wrong kernel flips clear rows too). Each line prints
 the measured figure, so a user can compare it with docs and other machines.
 """
 
@@ -60,7 +62,6 @@ LAYER_TOKENS = 32              # positions in the one-layer checks
 REFERENCE_MAX_REL_ERROR = 1e-4  # reference vs transformers float64, as tests/test_reference.py
 GPU_LAYER_MAX_REL_ERROR = 1e-2
 GPU_LOGITS_MAX_REL_ERROR = 5e-2
-GPU_MIN_TOP1 = 0.95
 FLOAT64_MODEL_BYTES = 4 * 2**30  # largest float64 copy of the whole model built for transformers
 GEMV_ROW_BLOCK = 4096           # lm_head rows dequantized at once for the float64 GEMV oracle
 U16, U32 = 2.0**-11, 2.0**-24   # unit roundoffs of float16 and float32
@@ -776,12 +777,17 @@ def graph_tier(t: Target) -> Iterator[Check]:
         sequences = [p + seq[:-1] for p, seq in zip(forced, tokens[False])]
         ours = t.reference_teacher_forced(sequences)
         error = relative_error(logits[False], ours)
-        top1 = float(np.mean(logits[False].argmax(axis=-1) == ours.argmax(axis=-1)))
+        agree = logits[False].argmax(axis=-1) == ours.argmax(axis=-1)
+        # Rows whose reference winner leads by more than twice the largest logit error: no error
+        # of that size can change their argmax, so there the engine must agree every time.
+        top2 = np.sort(ours, axis=-1)[..., -2:]
+        clear = top2[..., 1] - top2[..., 0] > 2 * float(np.abs(logits[False] - ours).max())
         yield passed(f"{gemv} logits vs reference",
-                     error < GPU_LOGITS_MAX_REL_ERROR and top1 >= GPU_MIN_TOP1,
+                     error < GPU_LOGITS_MAX_REL_ERROR and bool(agree[clear].all()),
                      f"{len(forced)} prompts x {new} teacher-forced positions: worst row relative error "
-                     f"{error:.2e} (limit {GPU_LOGITS_MAX_REL_ERROR:.0e}), top-1 agreement {top1:.1%} "
-                     f"(at least {GPU_MIN_TOP1:.0%})")
+                     f"{error:.2e} (limit {GPU_LOGITS_MAX_REL_ERROR:.0e}); top-1 agreement {agree.mean():.1%}, "
+                     f"{agree[clear].mean() if clear.any() else 1:.0%} on the {int(clear.sum())} rows with a clear "
+                     "winner (must be 100%)")
 
 
 TIERS = (("format", format_tier, False), ("reference", reference_tier, False), ("unit", unit_tier, True),

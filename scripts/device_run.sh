@@ -6,20 +6,28 @@
 #
 # A plan line is `lane | timeout seconds | step name | shell command`; '#' starts a comment. Lane
 # N runs on GPU N (CUDA_VISIBLE_DEVICES=N), its steps one after another; lanes run side by side.
-# A step may wait for another lane's step with `wait_for NAME` (it waits for $OUT/NAME.done).
-# Every step sees $OUT, $MODEL_7B (a random 7B-shaped .nanoqwen, written by the `build_7b` step
-# of whichever lane runs it) and PYTHONPATH set to the repo. Logs: $OUT/<step>.log, $OUT/steps.tsv.
+# A step may wait for another lane's step with `wait_for NAME` (it waits for $LOGS/NAME.done).
+# Every step sees $LOGS (its folder for extra files), $MODEL_7B (a random 7B-shaped .nanoqwen,
+# written by the `build_7b` step of whichever lane runs it) and PYTHONPATH set to the repo.
+# The device tool brings back at most 8 files, so each step's log goes to $LOGS/<step>.log and
+# everything in $LOGS is packed into $OUT/logs.tgz at the end, with steps.tsv beside it.
 set -uo pipefail
 plan=${1:?usage: device_run.sh PLAN}
-export OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export LOGS=/tmp/device-run-logs; rm -rf "$LOGS"; mkdir -p "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MODEL_7B=/tmp/pynanoqwen-7b.nanoqwen
-nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$LOGS/gpu.txt"
 python3 -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"
-printf 'lane\tstep\trc\tseconds\n' > "$OUT/steps.tsv"
+printf 'lane\tstep\trc\tseconds\n' > "$LOGS/steps.tsv"
 
-wait_for() { while [ ! -e "$OUT/$1.done" ]; do sleep 2; done; }
+# Pack the logs however the run ends (a `timeout` around this script sends TERM).
+pack() { rm -f "$LOGS"/*.done; tar -czf "$OUT/logs.tgz" -C "$LOGS" .; cp "$LOGS/steps.tsv" "$OUT/"; }
+trap pack EXIT
+trap 'exit 143' TERM
+
+wait_for() { while [ ! -e "$LOGS/$1.done" ]; do sleep 2; done; }
 export -f wait_for
 
 run_lane() {
@@ -29,10 +37,10 @@ run_lane() {
     [ "$l" = "$lane" ] || continue
     local start=$SECONDS
     echo "[lane $lane] $name: $command"
-    CUDA_VISIBLE_DEVICES=$lane timeout "$limit" bash -c "$command" > "$OUT/$name.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$lane timeout "$limit" bash -c "$command" > "$LOGS/$name.log" 2>&1
     local rc=$?
-    touch "$OUT/$name.done"
-    printf '%s\t%s\t%s\t%s\n' "$lane" "$name" "$rc" "$((SECONDS - start))" >> "$OUT/steps.tsv"
+    touch "$LOGS/$name.done"
+    printf '%s\t%s\t%s\t%s\n' "$lane" "$name" "$rc" "$((SECONDS - start))" >> "$LOGS/steps.tsv"
     echo "[lane $lane] $name: rc=$rc in $((SECONDS - start)) s"
   done
 }
@@ -40,4 +48,4 @@ run_lane() {
 lanes=$(grep -v '^\s*#' "$plan" | grep -v '^\s*$' | cut -d'|' -f1 | tr -d ' ' | sort -u)
 for lane in $lanes; do run_lane "$lane" & done
 wait
-echo; column -t -s $'\t' "$OUT/steps.tsv"
+echo; tr '\t' ' ' < "$LOGS/steps.tsv"

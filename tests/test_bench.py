@@ -69,7 +69,7 @@ def test_markdown_report_has_every_section():
     assert "| graph |" in text and "| eager |" in text and "| torch |" in text
     assert "GEMV shape" in text and "kernel (one decode step)" in text
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
-    assert "| gate_up 18944x3584 | large (default) | 516.0 | 269 |" in text
+    assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 |" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
 

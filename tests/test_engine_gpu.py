@@ -354,6 +354,8 @@ def backend_7b(model_7b):
     backend.close()
 
 
+@pytest.mark.slow
+@gpu
 def test_self_check_passes_and_names_a_corrupted_layer_7b(backend_7b, model_7b):
     """generate's self-check (selfcheck.py) on the 7B model: passes as loaded, then fails naming
     layer 5's down projection once that layer's scales are negated on the device (the time it

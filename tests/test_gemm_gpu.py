@@ -129,7 +129,7 @@ def test_bench_gemm_table_times_every_tile():
     from pynanoqwen.bench import gemm_tiles
     from pynanoqwen.config import PRESETS
 
-    rows = gemm_tiles(PRESETS["0.5b"], m=128)
+    rows = gemm_tiles(PRESETS["0.5b"], ms=(128,))
     for name in ("qkv", "o_proj", "gate_up", "down_proj"):
         mine = [r for r in rows if r["name"] == name]
         assert sum(r["default"] for r in mine) == 1 and len({r["tile"] for r in mine}) == len(mine) > 1

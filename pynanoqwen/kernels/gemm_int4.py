@@ -155,12 +155,30 @@ TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NA
               LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k"}
 
 
+SM_COUNT = 132  # H100 SXM and H200
+RESIDENT_BLOCKS = 2 * SM_COUNT  # LARGE blocks that run at once: two per SM (226 registers a thread)
+
+
 def default_tiles_for(m: int, n: int, k: int, epilogue: str) -> TileShape:
-    """The tile for M activation rows of an N x K linear with this epilogue: the largest that
-    does not mostly compute padding."""
+    """The tile for M activation rows of an N x K linear with this epilogue.
+
+    The largest tile that does not mostly compute padding (SMALL to M = 16, MEDIUM to 64), then
+    LARGE unless its grid is under one full wave (RESIDENT_BLOCKS): a GEMM that leaves SMs idle
+    takes more, smaller blocks instead. A residual GEMM splits K in two (LARGE_SPLIT_K), the others
+    halve the block's columns (NARROW). Measured on the H200 at M = 512 (bench's GEMM table,
+    docs/PERFORMANCE.md): o_proj 85 -> 67 us, down_proj 405 -> 305 us, qkv 121 -> 103 us; gate_up
+    (1184 LARGE blocks) stays LARGE, which beats every other tile there.
+    """
     if m <= 16:
         return SMALL
-    return MEDIUM if m <= 64 else LARGE
+    if m <= 64:
+        return MEDIUM
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    if -(-m // LARGE.block_m) * n // (LARGE.block_n // matrices) >= RESIDENT_BLOCKS:
+        return LARGE
+    if epilogue == "residual" and LARGE_SPLIT_K.fits(n, k, matrices):
+        return LARGE_SPLIT_K
+    return NARROW if NARROW.fits(n, k, matrices) else LARGE
 
 
 @cuda.jit(device=True, inline="always")
@@ -360,7 +378,7 @@ class _Launcher:
 
     def __init__(self, n: int, k: int, tiles: TileShape | None, matrices: int, out_dtype: str):
         self.n, self.k, self.tiles, self.matrices, self.out_dtype = n, k, tiles, matrices, out_dtype
-        for shape in ((tiles,) if tiles else (SMALL, MEDIUM, LARGE)):
+        for shape in ((tiles,) if tiles else (SMALL, MEDIUM, LARGE)):  # NARROW and split-K only where they fit
             shape.check(matrices)
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
