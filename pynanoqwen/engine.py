@@ -516,6 +516,27 @@ class CudaBackend:
             self.prefill_graphs[rows, method] = capture(self.stream,
                                                         functools.partial(self._enqueue_prefill, rows, method))
 
+    def _chunks(self, n: int, method: str) -> list[tuple[int, int, str]]:
+        """(start, m, method) of each chunk of an n-token prompt: the last samples by `method`."""
+        longest = self.prefill_buckets[-1]
+        return [(start, min(longest, n - start), method if start + longest >= n else "prompt")
+                for start in range(0, n, longest)]
+
+    def prepare(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """Compile and capture, before the clock starts, the prefill graphs a prompt of this many
+        tokens will replay: a bucket's first use otherwise compiles its kernels (seconds, once per
+        process) inside the time to first token. Runs each missing chunk shape once on a prompt
+        of zeros; generate() resets everything after. Decode graphs are ready from load."""
+        if self.eager or not self.prefill_buckets:
+            return
+        method = method_for(params)
+        for _, m, chunk_method in self._chunks(prompt_tokens, method):
+            rows = next(bucket for bucket in self.prefill_buckets if bucket >= m)
+            if (rows, chunk_method) not in self.prefill_graphs:
+                self.reset([0] * m, params)
+                self._prefill_chunk(0, m, chunk_method)
+        self.stream.synchronize()
+
     def prefill(self, n: int, method: str, *, mode: str | None = None) -> None:
         """Run the prompt tokens[0:n] (reset() put it there) through the model and sample the
         token after it, tokens[n], by `method` (kernels/sampling.py); afterwards pos = n and the KV
@@ -530,10 +551,8 @@ class CudaBackend:
         if mode != "batched" or not self.prefill_buckets:
             raise ValueError(f"prefill mode {mode!r} is not available (engine built with prefill="
                              f"{self.prefill_mode!r})")
-        longest = self.prefill_buckets[-1]
-        for start in range(0, n, longest):
-            m = min(longest, n - start)
-            self._prefill_chunk(start, m, method if start + m == n else "prompt")
+        for start, m, chunk_method in self._chunks(n, method):
+            self._prefill_chunk(start, m, chunk_method)
 
     # -- generation ----------------------------------------------------------------------------------
 

@@ -261,6 +261,9 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
         from .selfcheck import require_self_check
 
         on_status(require_self_check(backend, model_path))
+    prepare = getattr(backend, "prepare", None)  # the GPU engine compiles its prefill graphs off the clock
+    if prepare is not None:
+        prepare(len(prompt_ids), options.sampling)
     result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
     on_text("\n")
     on_status(f"{backend.name}: {result.summary()}")

@@ -24,13 +24,17 @@ PROMPT_TOKENS tokens each, continued by NEW_TOKENS. Where a tier cannot run (no 
 transformers, a file that failed the format checks) its checks are SKIP with the reason; --device
 cuda on a machine without a GPU is a FAIL.
 
-Tolerances of the GPU tiers against the reference: the engine's activations between kernels are
-FP16 (docs/DECODE.md; unit roundoff 2^-11 = 4.9e-4) and so is its KV cache, where the reference
-computes in float32. A handful of FP16 roundings per layer puts the expected relative error near
-1e-3; the gates (GPU_LAYER_MAX_REL_ERROR, GPU_LOGITS_MAX_REL_ERROR) sit well above that and far
-below what a wrong kernel gives (errors of order 1). Top-1 agreement must be total on the rows
-whose reference winner leads by more than twice the largest logit error (on random weights many
-rows are near-ties that any rounding may flip; a wrong kernel flips clear rows too). Each line prints
+Tolerances of the GPU tiers against the reference, per GEMV path (GPU_LAYER_MAX_REL_ERROR; the
+derivation is tests/test_engine_gpu.py's): prmt rounds activations to FP16 where the GEMVs read
+them and stores K/V in FP16, eight roundings of 2^-11 a layer: 3.9e-3. dp4a also rounds each GEMV
+input to INT8 per group of 128, four inputs in series with max/rms <= 8: 4 x 8/440 = 7.3e-2.
+Teacher-forced logits may carry every layer's error: num_layers times the layer bound. A wrong
+kernel gives errors of order 1. Top-1 agreement must be total on the rows whose reference winner
+leads by more than twice the largest logit error (on random weights many rows are near-ties that
+any rounding may flip; a wrong kernel flips clear rows too). Greedy tokens on the embedded model
+must be identical on the prmt path; dp4a computes with INT8 activations, a different rounding of
+the model, so a continuation may leave the reference's only where the reference's own top two
+logits are within twice that largest error of each other (a near-tie), and nowhere else. Each line prints
 the measured figure, so a user can compare it with docs and other machines.
 """
 
@@ -60,8 +64,7 @@ NEW_TOKENS = 16
 TEACHER_FORCED_PROMPTS = 8     # prompts whose logits are compared (vocab floats per position)
 LAYER_TOKENS = 32              # positions in the one-layer checks
 REFERENCE_MAX_REL_ERROR = 1e-4  # reference vs transformers float64, as tests/test_reference.py
-GPU_LAYER_MAX_REL_ERROR = 1e-2
-GPU_LOGITS_MAX_REL_ERROR = 5e-2
+GPU_LAYER_MAX_REL_ERROR = {"prmt": 8 * 2.0**-11, "dp4a": 4 * 8 / 440}  # see the docstring
 FLOAT64_MODEL_BYTES = 4 * 2**30  # largest float64 copy of the whole model built for transformers
 GEMV_ROW_BLOCK = 4096           # lm_head rows dequantized at once for the float64 GEMV oracle
 U16, U32 = 2.0**-11, 2.0**-24   # unit roundoffs of float16 and float32
@@ -319,8 +322,14 @@ def transformers_greedy(model, prompts: list[list[int]], new_tokens: int) -> lis
             ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
             out_tokens.append(ids[:, 0])
             if step + 1 < new_tokens:
-                out = model(input_ids=ids, cache=out.cache, use_cache=True)
+                out = model(input_ids=ids, use_cache=True, **_cache_argument(out))
     return torch.stack(out_tokens, dim=1).tolist()
+
+
+def _cache_argument(out) -> dict:
+    """The KV cache a model output hands to the next call: transformers 5.2x calls it `cache`,
+    earlier versions (5.17 on the GPU machine) `past_key_values`."""
+    return {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
 
 
 def reference_greedy(weights, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -719,9 +728,9 @@ def layer_tier(t: Target) -> Iterator[Check]:
             self_check = run_self_check(backend, t.file, t.rng) if hasattr(backend, "probed_step") else None
         finally:
             _release(backend)
-        yield passed(f"{gemv} layer 0 vs reference", error < GPU_LAYER_MAX_REL_ERROR,
+        yield passed(f"{gemv} layer 0 vs reference", error < GPU_LAYER_MAX_REL_ERROR[gemv],
                      f"{LAYER_TOKENS} random positions: layer output - input, worst row relative error "
-                     f"{error:.2e} (limit {GPU_LAYER_MAX_REL_ERROR:.0e})")
+                     f"{error:.2e} (limit {GPU_LAYER_MAX_REL_ERROR[gemv]:.1e})")
         if self_check is not None:  # what generate runs before it streams (selfcheck.py)
             yield passed(f"{gemv} generate's self-check", not self_check.failed, self_check.summary())
 
@@ -759,35 +768,58 @@ def graph_tier(t: Target) -> Iterator[Check]:
                                               for p, seq in zip(forced, tokens[eager])])
             finally:
                 _release(backend)
-        check = _compare_tokens(f"{gemv} graph vs eager tokens", tokens[False], tokens[True])
-        yield check
+        yield _compare_tokens(f"{gemv} graph vs eager tokens", tokens[False], tokens[True])
         if len(logits) == 2:
             same = np.array_equal(logits[False].view(np.uint32), logits[True].view(np.uint32))
             yield passed(f"{gemv} graph vs eager logits", same,
                          f"{len(forced)} prompts x {new} positions teacher-forced: "
                          + ("bit-identical" if same else "differ (graph replay must launch the same kernels)"))
-        if t.embedded:
-            yield _compare_tokens(f"{gemv} graph vs reference tokens", tokens[False], t.reference_tokens())
-        else:
-            yield skipped(f"{gemv} graph vs reference tokens", "asserted on the embedded model only, whose "
-                                                               "peaked predictions leave no near-ties")
         if not logits:
             yield skipped(f"{gemv} logits vs reference", "this engine has no teacher_forced_logits()")
+            largest_error = None
+        else:
+            sequences = [p + seq[:-1] for p, seq in zip(forced, tokens[False])]
+            ours = t.reference_teacher_forced(sequences)
+            error = relative_error(logits[False], ours)
+            largest_error = float(np.abs(logits[False] - ours).max())
+            agree = logits[False].argmax(axis=-1) == ours.argmax(axis=-1)
+            clear = np.diff(np.sort(ours, axis=-1)[..., -2:], axis=-1)[..., 0] > 2 * largest_error
+            limit = t.config.num_layers * GPU_LAYER_MAX_REL_ERROR[gemv]
+            yield passed(f"{gemv} logits vs reference", error < limit and bool(agree[clear].all()),
+                         f"{len(forced)} prompts x {new} teacher-forced positions: worst row relative error "
+                         f"{error:.2e} (limit {limit:.1e}); top-1 agreement {agree.mean():.1%}, "
+                         f"{agree[clear].mean() if clear.any() else 1:.0%} on the {int(clear.sum())} rows with a "
+                         "clear winner (must be 100%)")
+        name = f"{gemv} graph vs reference tokens"
+        if not t.embedded:
+            yield skipped(name, "asserted on the embedded model only, whose peaked predictions leave few near-ties")
+        elif gemv == "prmt" or largest_error is None:
+            yield _compare_tokens(name, tokens[False], t.reference_tokens())
+        else:
+            yield _divergences_at_near_ties(name, t, tokens[False], largest_error)
+
+
+def _divergences_at_near_ties(name: str, t: Target, ours: list[list[int]], largest_error: float) -> Check:
+    """PASS when every continuation either equals the reference's or leaves it at a position where
+    the reference's top two logits are within 2 x largest_error (the docstring's near-tie)."""
+    theirs = t.reference_tokens()
+    prompts = t.prompts()
+    model = ReferenceModel(t.file, max_context=t.max_context())
+    differing, margins = 0, []
+    for prompt, a, b in zip(prompts, ours, theirs):
+        if a == b:
             continue
-        sequences = [p + seq[:-1] for p, seq in zip(forced, tokens[False])]
-        ours = t.reference_teacher_forced(sequences)
-        error = relative_error(logits[False], ours)
-        agree = logits[False].argmax(axis=-1) == ours.argmax(axis=-1)
-        # Rows whose reference winner leads by more than twice the largest logit error: no error
-        # of that size can change their argmax, so there the engine must agree every time.
-        top2 = np.sort(ours, axis=-1)[..., -2:]
-        clear = top2[..., 1] - top2[..., 0] > 2 * float(np.abs(logits[False] - ours).max())
-        yield passed(f"{gemv} logits vs reference",
-                     error < GPU_LOGITS_MAX_REL_ERROR and bool(agree[clear].all()),
-                     f"{len(forced)} prompts x {new} teacher-forced positions: worst row relative error "
-                     f"{error:.2e} (limit {GPU_LOGITS_MAX_REL_ERROR:.0e}); top-1 agreement {agree.mean():.1%}, "
-                     f"{agree[clear].mean() if clear.any() else 1:.0%} on the {int(clear.sum())} rows with a clear "
-                     "winner (must be 100%)")
+        differing += 1
+        at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        model.reset()
+        logits = model.forward(prompt + a[:at], last_only=True)[0].astype(np.float64)
+        margins.append(float(logits[b[at]] - logits[a[at]]))  # how far the GPU's token trailed the reference's
+    worst = max(margins, default=0.0)
+    ok = worst <= 2 * largest_error
+    total = sum(len(seq) for seq in ours)
+    return passed(name, ok, f"{len(ours)} prompts x {len(ours[0])} tokens: {len(ours) - differing} continuations "
+                            f"identical; {differing} leave the reference, where its top logit led the GPU's choice by "
+                            f"at most {worst:.3f} (near-tie limit 2 x {largest_error:.3f}); {total} tokens in all")
 
 
 TIERS = (("format", format_tier, False), ("reference", reference_tier, False), ("unit", unit_tier, True),

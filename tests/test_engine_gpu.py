@@ -37,6 +37,7 @@ from pynanoqwen.config import PRESETS
 from pynanoqwen.engine import CudaBackend, device_bytes
 from pynanoqwen.errors import NanoQwenError
 from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.validate import GPU_LAYER_MAX_REL_ERROR
 from pynanoqwen.kernels.embedding import make_embedding
 from pynanoqwen.kernels.gemv_fp16 import make_gemv_fp16
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
@@ -52,7 +53,7 @@ gpu = pytest.mark.gpu
 SEVEN_B = PRESETS["7b"]
 FP16_HALF_ULP = 2.0 ** -11
 FP32_EPS = 2.0 ** -23
-LAYER_REL_BOUND = {"prmt": 8 * FP16_HALF_ULP, "dp4a": 4 * 8 / 440}
+LAYER_REL_BOUND = GPU_LAYER_MAX_REL_ERROR  # the bounds derived above, which validate also uses
 CHI2_7_DOF_P1E6 = 42.0  # P(chi-square with 7 degrees of freedom > 42) = 5.2e-7
 
 
@@ -374,6 +375,20 @@ def test_self_check_passes_and_names_a_corrupted_layer_7b(backend_7b, model_7b):
         finally:
             scales.copy_to_device(original)
     assert [c.name for c in broken.failed] == ["layer 5 down"], broken.summary()
+
+
+@pytest.mark.slow
+@gpu
+def test_prepare_captures_every_prefill_graph_a_prompt_needs(backend_7b):
+    """After prepare(n), generating from an n-token prompt captures no graph (nothing compiles
+    inside the time to first token), for a one-chunk and a two-chunk prompt."""
+    rng = np.random.default_rng()
+    for tokens in (300, backend_7b.prefill_buckets[-1] + 300):
+        backend_7b.prepare(tokens, SamplingParams())
+        captured = set(backend_7b.prefill_graphs)
+        ids = rng.integers(0, SEVEN_B.vocab_size, tokens).tolist()
+        assert len(list(backend_7b.generate(ids, SamplingParams(), 2, frozenset()))) == 2
+        assert set(backend_7b.prefill_graphs) == captured
 
 
 def teacher_forced_vs_reference(backend, path, tokens: int = 64, seed: int = 0) -> dict:

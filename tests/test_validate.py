@@ -180,3 +180,29 @@ def test_embedded_model_passes_every_tier_on_the_gpu():
     assert not any(line.startswith(("FAIL", "SKIP")) for line in checks), result.output
     for tier in ("unit", "layer", "graph"):
         assert any(re.match(rf"PASS +{tier} ", line) for line in checks)
+
+
+def test_dp4a_divergences_must_sit_at_near_ties():
+    """The dp4a token check: a continuation that leaves the reference where the reference's own
+    top two logits are close passes; the same departure fails once the allowed error is smaller
+    than that gap."""
+    from pynanoqwen.tokenizer import Tokenizer
+
+    t = validate_module.Target(EMBEDDED_MODEL, embedded=True, prompts=4, seed=0)
+    t.file = NanoQwenFile(EMBEDDED_MODEL)
+    try:
+        cfg = t.config
+        t.tokenizer = Tokenizer.from_json_bytes(t.file.tokenizer_json, t.file.chat_template,
+                                                bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+        theirs = t.reference_tokens()
+        prompt, at = t.prompts()[1], 5
+        model = ReferenceModel(t.file, max_context=t.max_context())
+        logits = model.forward(prompt + theirs[1][:at], last_only=True)[0].astype(np.float64)
+        second = int(np.argsort(logits)[-2])
+        gap = float(logits[theirs[1][at]] - logits[second])
+        ours = [list(seq) for seq in theirs]
+        ours[1][at] = second  # the GPU took the reference's runner-up here
+        assert validate_module._divergences_at_near_ties("x", t, ours, gap / 2 * 1.01).status == "PASS"
+        assert validate_module._divergences_at_near_ties("x", t, ours, gap / 2 * 0.99).status == "FAIL"
+    finally:
+        t.file.close()

@@ -162,23 +162,24 @@ RESIDENT_BLOCKS = 2 * SM_COUNT  # LARGE blocks that run at once: two per SM (226
 def default_tiles_for(m: int, n: int, k: int, epilogue: str) -> TileShape:
     """The tile for M activation rows of an N x K linear with this epilogue.
 
-    The largest tile that does not mostly compute padding (SMALL to M = 16, MEDIUM to 64), then
-    LARGE unless its grid is under one full wave (RESIDENT_BLOCKS): a GEMM that leaves SMs idle
-    takes more, smaller blocks instead. A residual GEMM splits K in two (LARGE_SPLIT_K), the others
-    halve the block's columns (NARROW). Measured on the H200 at M = 512 (bench's GEMM table,
-    docs/PERFORMANCE.md): o_proj 85 -> 67 us, down_proj 405 -> 305 us, qkv 121 -> 103 us; gate_up
-    (1184 LARGE blocks) stays LARGE, which beats every other tile there.
+    The largest tile that does not mostly compute padding: SMALL to M = 16, MEDIUM to 64. Beyond,
+    a residual GEMM (o_proj, down_proj) splits K in two (LARGE_SPLIT_K); any other takes LARGE
+    unless LARGE's grid is under one full wave (RESIDENT_BLOCKS), where NARROW's twice as many
+    blocks fill the SMs. Measured on the H200 (bench's GEMM table, docs/PERFORMANCE.md), LARGE ->
+    chosen, us: o_proj 86.6 -> 66.7 at M = 512 and 264.4 -> 226.9 at 2048; down_proj 408.4 -> 308.0
+    and 1192.2 -> 1044.7; qkv 120.7 -> 104.1 at 512 (LARGE at 2048: 300.3, NARROW 297.7); gate_up
+    stays LARGE, the fastest of every tile at both (514.7 and 2030.0).
     """
     if m <= 16:
         return SMALL
     if m <= 64:
         return MEDIUM
     matrices = 2 if epilogue == "gate_up_silu" else 1
-    if -(-m // LARGE.block_m) * n // (LARGE.block_n // matrices) >= RESIDENT_BLOCKS:
-        return LARGE
     if epilogue == "residual" and LARGE_SPLIT_K.fits(n, k, matrices):
         return LARGE_SPLIT_K
-    return NARROW if NARROW.fits(n, k, matrices) else LARGE
+    if -(-m // LARGE.block_m) * n // (LARGE.block_n // matrices) >= RESIDENT_BLOCKS or not NARROW.fits(n, k, matrices):
+        return LARGE
+    return NARROW
 
 
 @cuda.jit(device=True, inline="always")
