@@ -613,7 +613,7 @@ class CudaBackend:
         cfg = self.config
         return self.weight_bytes_per_step + 2 * cfg.num_layers * context * cfg.kv_size * 2
 
-    # -- measurement and validation helpers (bench.py, tests/test_engine_gpu.py, scripts/gpu_check.py)
+    # -- measurement and validation helpers (bench.py, selfcheck.py, validate.py, tests/test_engine_gpu.py)
 
     def device_memory_used(self) -> int:
         """Bytes of device memory in use on this GPU (total - free): the engine's buffers and

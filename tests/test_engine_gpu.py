@@ -8,10 +8,10 @@
    tokens against the numpy ReferenceModel; graph and eager decoding give identical tokens;
    128 decode steps allocate no device memory.
 
-The comparison helpers return plain dicts so that scripts/gpu_check.py prints the numbers these
-tests assert on. Environment: PYNANOQWEN_7B_FILE, a prebuilt 7B file (otherwise one is written to
-a temporary directory, 1-2 minutes); PYNANOQWEN_GRAPH_EAGER_PROMPTS, prompts in the graph-versus-
-eager test (default 8; the acceptance run uses 100).
+The comparison helpers return plain dicts, printed (run with -s) next to what each test asserts.
+Environment: PYNANOQWEN_7B_FILE, a prebuilt 7B file (otherwise one is written to a temporary
+directory, 1-2 minutes); PYNANOQWEN_GRAPH_EAGER_PROMPTS, prompts in the graph-versus-eager test
+(default 8; the acceptance run, scripts/plans/session2-run1.plan, uses 100).
 
 Error bounds of the engine against float64 (layer and model), on the layer's update (output
 minus input: the residual passes the input through exactly), relative L2 per position:

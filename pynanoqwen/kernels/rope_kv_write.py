@@ -19,7 +19,8 @@ reference.rope_tables gives), not from a float32 angle computed here: position *
 Launch: num_heads + 2 num_kv_heads blocks (36 at 7B), head_dim / 2 threads each. Block b handles
 q head b, then k heads, then v heads; thread i handles the pair (i, i + head_dim/2). Tiny: 18 KiB
 read, 16 KiB written at 7B; what matters is that it is one launch for all three jobs.
-Measured: not yet (scripts/gpu_check.py times it).
+Measured on the H200 (bench's kernel table, 7B): 1.55 us a launch (43.4 us for the 28 of a step),
+launch latency.
 """
 
 from __future__ import annotations
