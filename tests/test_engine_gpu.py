@@ -504,6 +504,18 @@ def test_kv_cache_size_of_7b_at_32k_context():
     assert needed["rope tables"] == 2 * 32768 * 64 * 4
 
 
+@pytest.mark.parametrize("tokens", [1, 15, 16, 2047, 2048, 2049, 4096, 5000])
+def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens):
+    """The batched prefill's chunks (also what prepare() compiles): consecutive, at most the
+    longest bucket each, covering every token once, the last one sampling by the method."""
+    backend = CudaBackend.__new__(CudaBackend)  # _chunks needs only the buckets: no GPU
+    backend.prefill_buckets = engine.prefill_buckets(32768)
+    chunks = backend._chunks(tokens, "argmax")
+    assert [start for start, _, _ in chunks] == list(range(0, tokens, 2048))
+    assert sum(m for _, m, _ in chunks) == tokens and all(1 <= m <= 2048 for _, m, _ in chunks)
+    assert [method for _, _, method in chunks] == ["prompt"] * (len(chunks) - 1) + ["argmax"]
+
+
 def test_too_little_gpu_memory_is_a_clear_error(monkeypatch):
     class SmallGpu:
         def get_memory_info(self):
