@@ -22,7 +22,7 @@ Prefill (`prefill`): the whole prompt runs as a batch of rows through the tensor
 (kernels/gemm_int4.py, built over the same weight arrays as the GEMVs: no second copy) in chunks
 of at most `prefill_rows` (2048) tokens. Per chunk of m tokens at positions start..start + m - 1:
 page_alloc_range (the pages the chunk starts, numbered as m decode steps would number them) ->
-embedding_rows -> per layer: rmsnorm_rows -> QKV GEMM (+ bias) -> rope_kv_write_rows (K/V into
+embedding_rows -> per layer: rmsnorm_rows -> QKV GEMM (+ bias) -> rope_kv_write (K/V into
 the pages) -> prefill attention (each row attends to every earlier position through the pages)
 -> o_proj GEMM += h -> rmsnorm_rows -> gate-up-SiLU GEMM -> down GEMM += h; then last_row copies
 the chunk's last row into the decode `h` and sets pos = start + m - 1, and the decode step's own
@@ -72,7 +72,6 @@ from .kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from .kernels.page_alloc_prefill import make_page_alloc_range
 from .kernels.rmsnorm import make_rmsnorm, make_rmsnorm_rows
 from .kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
-from .kernels.rope_kv_write_prefill import make_rope_kv_write_rows
 from .kernels.sampling import METHODS, Sampler, device_params, method_for
 from .sampling import SamplingParams
 from .tensors import QWEIGHT, SCALES, layer_prefix, stored_tensors
@@ -379,7 +378,6 @@ class CudaBackend:
             self.page_alloc_range = make_page_alloc_range()
             self.embedding_rows = make_embedding_rows(cfg.hidden_size)
             self.rmsnorm_rows = make_rmsnorm_rows(cfg.hidden_size, cfg.rms_norm_eps)
-            self.rope_kv_write_rows = make_rope_kv_write_rows(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             self.prefill_attention = make_prefill_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                             self.max_pages)
             self.last_row = make_last_row(cfg.hidden_size)
@@ -479,7 +477,7 @@ class CudaBackend:
         start, m = self.chunk_start, self.chunk_rows
         self.rmsnorm_rows.launch(s, b.h, layer.input_norm, b.xn)
         gemm.qkv.launch(s, b.xn, b.qkv, rows)
-        self.rope_kv_write_rows.launch(s, b.qkv, self.rope_cos, self.rope_sin, start, m, self.page_table, b.q,
+        self.rope_kv_write.launch_rows(s, b.qkv, self.rope_cos, self.rope_sin, start, m, self.page_table, b.q,
                                        layer.k_pages, layer.v_pages)
         self.prefill_attention.launch(s, b.q, layer.k_pages, layer.v_pages, self.page_table, start, m, b.attn)
         gemm.o_proj.launch(s, b.attn, b.h, rows, residual=True)

@@ -15,7 +15,7 @@ import importlib
 
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
                   "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",
-                  "rope_kv_write_prefill", "page_alloc_prefill", "last_row_prefill")
+                  "page_alloc_prefill", "last_row_prefill")
 
 
 @dataclasses.dataclass(frozen=True)

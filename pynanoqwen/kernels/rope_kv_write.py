@@ -1,11 +1,13 @@
-"""RoPE on the new token's q and k, and the append of its k and v to the paged KV cache.
+"""RoPE on q and k of a run of tokens, and the write of their k and v into the paged KV cache:
+the decode step's one token and a prefill chunk's rows, one kernel.
 
-Input: `qkv` float32 [q_size + 2 kv_size], the QKV GEMV's output (bias included), laid out as
-q heads, then k heads, then v heads, head_dim values each. At position p = pos[0]:
+Input: `qkv` float32 [R, q_size + 2 kv_size], the QKV GEMV's or GEMM's output (bias included),
+each row laid out as q heads, then k heads, then v heads, head_dim values each. Row i < m is the
+token at position p = start + i:
 
-    q[h]  = rope(qkv q head h)                          float32 [num_heads, head_dim]
-    k_pages[page, g, slot] = float16(rope(qkv k head g))  page = page_table[p // 16], slot = p % 16
-    v_pages[page, g, slot] = float16(qkv v head g)
+    q[i, h] = rope(qkv[i] q head h, p)                           float32 [R, num_heads, head_dim]
+    k_pages[page, g, slot] = float16(rope(qkv[i] k head g, p))   page = page_table[p // 16], slot = p % 16
+    v_pages[page, g, slot] = float16(qkv[i] v head g)
 
 RoPE is Hugging Face's rotate_half convention (reference.apply_rope): element i pairs with
 element i + head_dim/2, both rotated by the angle p * theta^(-2i/head_dim):
@@ -16,11 +18,20 @@ The angles come from tables made once on the host in float64 (`rope_cos_sin`, th
 reference.rope_tables gives), not from a float32 angle computed here: position * inv_freq reaches
 32767 radians, where a float32 angle would be off by up to 2e-3.
 
-Launch: num_heads + 2 num_kv_heads blocks (36 at 7B), head_dim / 2 threads each. Block b handles
-q head b, then k heads, then v heads; thread i handles the pair (i, i + head_dim/2). Tiny: 18 KiB
-read, 16 KiB written at 7B; what matters is that it is one launch for all three jobs.
-Measured on the H200 (bench's kernel table, 7B): 1.55 us a launch (43.4 us for the 28 of a step),
-launch latency.
+Who owns what: `start` and `m` are device arrays (int32 [1]), so one captured graph serves every
+step or chunk. The decode step (`launch`) is the one-row case: its qkv [q_size + 2 kv_size] and q
+[num_heads, head_dim] are viewed as one row, start is the engine's pos and m a constant 1. A
+prefill chunk (`launch_rows`) passes its bucket's R rows; rows m .. R - 1 are padding and write
+nothing: their positions may lie in pages that are not allocated (page_table holds stale entries
+there), and their q is never read. Because both use the same kernel, a position's K/V come out
+the same whether a prompt ran batched or token by token from the same qkv.
+
+Launch: grid (num_heads + 2 num_kv_heads, R), head_dim / 2 threads (36 x R blocks of 64 at 7B).
+Block (b, i) handles head b (q heads, then k heads, then v heads) of row i; thread t the pair
+(t, t + head_dim / 2). Traffic at 7B per row: 18 KiB of qkv read, 14 KiB of q and 4 KiB of K/V
+written; at R = 512, 18 MB per layer (~4 us at 4.3 TB/s); for one token it is launch latency.
+Measured on the H200 (bench's kernel table, 7B, decode): 1.55 us a launch (43.4 us for the 28 of a
+step), with the kernel's earlier decode-only form; this merged form has not run on the GPU yet.
 """
 
 from __future__ import annotations
@@ -53,50 +64,62 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
     v_start = k_start + num_kv_heads * head_dim
 
     @cuda.jit
-    def rope_kv_write(qkv, rope_cos, rope_sin, pos, page_table, q, k_pages, v_pages):
+    def rope_kv_write(qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages):
         head = cuda.blockIdx.x
+        row = cuda.blockIdx.y
         i = cuda.threadIdx.x
-        p = pos[0]
+        if row >= m[0]:
+            return
+        p = start[0] + row
         if head < num_heads:
-            x1 = qkv[head * head_dim + i]
-            x2 = qkv[head * head_dim + half + i]
+            x1 = qkv[row, head * head_dim + i]
+            x2 = qkv[row, head * head_dim + half + i]
             c = rope_cos[p, i]
             s = rope_sin[p, i]
-            q[head, i] = x1 * c - x2 * s
-            q[head, half + i] = x2 * c + x1 * s
+            q[row, head, i] = x1 * c - x2 * s
+            q[row, head, half + i] = x2 * c + x1 * s
             return
         page = page_table[p // PAGE_SIZE]
         slot = p % PAGE_SIZE
         kv_head = head - num_heads
         if kv_head < num_kv_heads:
-            x1 = qkv[k_start + kv_head * head_dim + i]
-            x2 = qkv[k_start + kv_head * head_dim + half + i]
+            x1 = qkv[row, k_start + kv_head * head_dim + i]
+            x2 = qkv[row, k_start + kv_head * head_dim + half + i]
             c = rope_cos[p, i]
             s = rope_sin[p, i]
             k_pages[page, kv_head, slot, i] = x1 * c - x2 * s
             k_pages[page, kv_head, slot, half + i] = x2 * c + x1 * s
         else:
             kv_head -= num_kv_heads
-            v_pages[page, kv_head, slot, i] = qkv[v_start + kv_head * head_dim + i]
-            v_pages[page, kv_head, slot, half + i] = qkv[v_start + kv_head * head_dim + half + i]
+            v_pages[page, kv_head, slot, i] = qkv[row, v_start + kv_head * head_dim + i]
+            v_pages[page, kv_head, slot, half + i] = qkv[row, v_start + kv_head * head_dim + half + i]
 
     return rope_kv_write
 
 
 class RopeKvWrite:
-    """RoPE + KV append for one attention shape; `launch` enqueues it on a stream."""
+    """RoPE + KV write for one attention shape; `launch` (one decode token) and `launch_rows`
+    (a prefill chunk) enqueue it on a stream."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.kernel = _rope_kv_write_kernel(num_heads, num_kv_heads, head_dim)
-        self.grid = num_heads + 2 * num_kv_heads
+        self.heads = num_heads + 2 * num_kv_heads
         self.threads = head_dim // 2
+        self.one_row = cuda.to_device(np.ones(1, np.int32))  # the decode step's m, made once
+
+    def launch_rows(self, stream, qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages) -> None:
+        """qkv float32 [R, q_size + 2 kv_size], rope_cos/rope_sin float32 [max_context, head_dim/2],
+        start, m int32 [1] (m <= R), page_table int32 [max_pages] -> q float32 [>= R, num_heads,
+        head_dim] rows 0 .. m - 1, and positions start .. start + m - 1 of k_pages, v_pages float16
+        [num_pages, num_kv_heads, PAGE_SIZE, head_dim]."""
+        self.kernel[(self.heads, qkv.shape[0]), self.threads, stream](qkv, rope_cos, rope_sin, start, m,
+                                                                      page_table, q, k_pages, v_pages)
 
     def launch(self, stream, qkv, rope_cos, rope_sin, pos, page_table, q, k_pages, v_pages) -> None:
-        """qkv float32 [q_size + 2 kv_size], rope_cos/rope_sin float32 [max_context, head_dim/2],
-        pos int32 [1], page_table int32 [max_pages] -> q float32 [num_heads, head_dim] and one slot
-        of k_pages, v_pages float16 [num_pages, num_kv_heads, PAGE_SIZE, head_dim]."""
-        self.kernel[self.grid, self.threads, stream](qkv, rope_cos, rope_sin, pos, page_table, q,
-                                                     k_pages, v_pages)
+        """The decode step: qkv float32 [q_size + 2 kv_size] of the token at position pos[0] ->
+        q float32 [num_heads, head_dim] and that position's slot of k_pages, v_pages."""
+        self.launch_rows(stream, qkv.reshape(1, qkv.size), rope_cos, rope_sin, pos, self.one_row, page_table,
+                         q.reshape(1, *q.shape), k_pages, v_pages)
 
 
 def make_rope_kv_write(num_heads: int, num_kv_heads: int, head_dim: int) -> RopeKvWrite:
@@ -105,9 +128,10 @@ def make_rope_kv_write(num_heads: int, num_kv_heads: int, head_dim: int) -> Rope
 
 def compile_targets() -> list[CompileTarget]:
     """The 7B attention shape (28 q heads, 4 kv heads, head_dim 128) and the tiny one."""
+    i32 = types.int32[::1]
     pages = types.float16[:, :, :, ::1]
-    signature = types.void(types.float32[::1], types.float32[:, ::1], types.float32[:, ::1], types.int32[::1],
-                           types.int32[::1], types.float32[:, ::1], pages, pages)
+    signature = types.void(types.float32[:, ::1], types.float32[:, ::1], types.float32[:, ::1], i32, i32, i32,
+                           types.float32[:, :, ::1], pages, pages)
     return [CompileTarget(f"rope_kv_write[{heads}/{kv_heads}x{head_dim}]",
                           _rope_kv_write_kernel(heads, kv_heads, head_dim), signature, ("cvt.rn.f16.f32",))
             for heads, kv_heads, head_dim in ((28, 4, 128), (4, 2, 64))]

@@ -1,13 +1,14 @@
 """The prefill path's row kernels in the CUDA simulator, at tiny sizes, on fresh random inputs.
 
 Oracles: float64 numpy for the arithmetic (RMSNorm, RoPE), exact expectations for the data
-movement (embedding rows, KV write, page allocation, the hand-over row), and the decode kernels
+movement (embedding rows, page allocation, the hand-over row), and the decode kernels
 themselves for what decode must find after a prefill: a prompt written in chunks (page_alloc_range
-+ rope_kv_write_rows) leaves the page table, the allocator and the KV pages bit for bit as the
-decode step's page_alloc + rope_kv_write would at every position. Every chunk is smaller than
-its bucket (R rows), so each test also checks that padding rows write nothing they must not.
-The tensor-core GEMMs are covered by tests/sim/test_gemm_sim.py; the engine-level prefill runs
-on the GPU only (tests/test_prefill_gpu.py).
++ rope_kv_write's launch_rows) leaves the page table, the allocator and the KV pages bit for bit
+as the decode step's page_alloc + rope_kv_write's one-token launch would at every position. Every
+chunk is smaller than its bucket (R rows), so each test also checks that padding rows write
+nothing they must not.
+RoPE and the KV write are tests/sim/test_rope_kv_write_sim.py, the tensor-core GEMMs
+tests/sim/test_gemm_sim.py; the engine-level prefill runs on the GPU only (tests/test_prefill_gpu.py).
 """
 
 import numpy as np
@@ -19,7 +20,6 @@ from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from pynanoqwen.kernels.page_alloc_prefill import make_page_alloc_range
 from pynanoqwen.kernels.rmsnorm import make_rmsnorm_rows
 from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
-from pynanoqwen.kernels.rope_kv_write_prefill import make_rope_kv_write_rows
 
 FP16_HALF_ULP = 2.0 ** -11  # relative rounding error of one conversion to float16 (normal range)
 FP32_EPS = 2.0 ** -23
@@ -66,53 +66,6 @@ def test_rmsnorm_rows_matches_float64_per_row():
         np.testing.assert_array_equal(got[rows], 0.0)
 
 
-def rope64(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """rotate_half RoPE in float64 of x [rows, heads, head_dim] at one position per row."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / (2 * half))
-    angle = (positions[:, None] * inv_freq)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
-
-
-def test_rope_kv_write_rows_rotates_the_chunk_and_writes_only_its_positions():
-    rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context, theta = 4, 2, 16, 96, 10000.0
-    half, pages, rows = head_dim // 2, max_context // PAGE_SIZE, 24
-    start, m = int(rng.integers(0, 40)), int(rng.integers(1, rows))  # m < R: padding rows exist
-    qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
-    page_table = rng.permutation(pages).astype(np.int32)
-    cos, sin = rope_cos_sin(head_dim, theta, max_context)
-    k_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
-    v_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
-    q_init = np.full((rows, heads, head_dim), np.nan, np.float32)
-    q, k_pages, v_pages = (cuda.to_device(a) for a in (q_init, k_init, v_init))
-    run(lambda s: make_rope_kv_write_rows(heads, kv_heads, head_dim).launch(
-        s, cuda.to_device(qkv), cuda.to_device(cos), cuda.to_device(sin), device_int(start), device_int(m),
-        cuda.to_device(page_table), q, k_pages, v_pages))
-
-    positions = np.arange(start, start + m)
-    parts = qkv[:m].astype(np.float64).reshape(m, heads + 2 * kv_heads, head_dim)
-    pair_size = np.tile(np.abs(parts[..., :half]) + np.abs(parts[..., half:]), 2)  # |x1| + |x2| bounds each output
-    q_expected = rope64(parts[:, :heads], positions, theta)
-    k_expected = rope64(parts[:, heads:heads + kv_heads], positions, theta)
-    v_expected = parts[:, heads + kv_heads:]
-    q_got = q.copy_to_host()
-    # cos/sin are float32 (one rounding each), then two products and a sum in float32.
-    np.testing.assert_array_less(np.abs(q_got[:m] - q_expected), 8 * FP32_EPS * pair_size[:, :heads] + 1e-30)
-    assert np.isnan(q_got[m:]).all(), "padding rows wrote q"
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
-    page, slot = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    np.testing.assert_array_less(np.abs(k_got[page, :, slot].astype(np.float64) - k_expected),
-                                 FP16_HALF_ULP * np.abs(k_expected) + 8 * FP32_EPS * pair_size[:, heads:heads + kv_heads]
-                                 + 2.0**-25)
-    np.testing.assert_array_equal(v_got[page, :, slot], v_expected.astype(np.float16))
-    untouched = np.ones(k_init.shape[:3], bool)
-    untouched[page, :, slot] = False
-    np.testing.assert_array_equal(k_got[untouched], k_init[untouched])
-    np.testing.assert_array_equal(v_got[untouched], v_init[untouched])
-
-
 def test_page_alloc_range_over_chunks_builds_the_table_decode_would():
     rng = np.random.default_rng()
     max_pages = 20
@@ -153,7 +106,7 @@ def test_chunked_kv_write_leaves_the_pages_decode_would():
         chunk[end - start:] = rng.standard_normal((rows - (end - start), qkv.shape[1]))  # padding: must not land
         first, m = device_int(start), device_int(end - start)
         run(lambda s: make_page_alloc_range().launch(s, first, m, table, free))
-        run(lambda s: make_rope_kv_write_rows(heads, kv_heads, head_dim).launch(
+        run(lambda s: make_rope_kv_write(heads, kv_heads, head_dim).launch_rows(
             s, cuda.to_device(chunk), cos, sin, first, m, table, q_rows, k_rows, v_rows))
 
     decode_table, decode_free = cuda.to_device(np.zeros(pages, np.int32)), cuda.to_device(np.zeros(1, np.int32))

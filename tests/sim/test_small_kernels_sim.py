@@ -1,7 +1,7 @@
 """The decode step's small kernels in the CUDA simulator, at tiny sizes, on fresh random inputs.
 
-Oracles: float64 numpy for the arithmetic (RMSNorm, RoPE), exact expectations for the data
-movement (embedding, KV write, page allocation) and for token choice (argmax; for sampling, the
+Oracles: float64 numpy for the arithmetic (RMSNorm), exact expectations for the data
+movement (embedding, page allocation) and for token choice (argmax; for sampling, the
 inverse-CDF / Gumbel-max choice computed in float64 from the same counter-based uniforms,
 kernels.sampling.uniform_reference).
 Block sizes are shrunk (Sampler keyword arguments) so the simulator, one Python thread per CUDA
@@ -15,7 +15,6 @@ from numba import cuda
 from pynanoqwen.kernels.embedding import make_embedding
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from pynanoqwen.kernels.rmsnorm import make_rmsnorm
-from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
 from pynanoqwen.kernels.sampling import Sampler, device_params, uniform_reference
 from pynanoqwen.sampling import SamplingParams
 
@@ -57,48 +56,6 @@ def test_rmsnorm_matches_float64(hidden):
     got = xn.copy_to_host().astype(np.float64)
     # One FP16 rounding of the output, plus float32 arithmetic (sum of squares, rsqrt, products).
     np.testing.assert_array_less(np.abs(got - expected), (FP16_HALF_ULP + 64 * FP32_EPS) * np.abs(expected) + 2.0**-25)
-
-
-def test_rope_kv_write_rotates_q_and_k_and_writes_the_page_slot():
-    rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context = 4, 2, 16, 64
-    half = head_dim // 2
-    pages = max_context // PAGE_SIZE
-    position = int(rng.integers(0, max_context))
-    qkv = rng.standard_normal((heads + 2 * kv_heads) * head_dim).astype(np.float32)
-    page_table = rng.permutation(pages).astype(np.int32)
-    cos, sin = rope_cos_sin(head_dim, 10000.0, max_context)
-    k_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
-    v_init = rng.standard_normal((pages, kv_heads, PAGE_SIZE, head_dim)).astype(np.float16)
-    q, k_pages, v_pages = (cuda.to_device(a) for a in (np.zeros((heads, head_dim), np.float32), k_init, v_init))
-    run(lambda s: make_rope_kv_write(heads, kv_heads, head_dim).launch(
-        s, cuda.to_device(qkv), cuda.to_device(cos), cuda.to_device(sin),
-        cuda.to_device(np.array([position], np.int32)), cuda.to_device(page_table), q, k_pages, v_pages))
-
-    inv_freq = 10000.0 ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angle = position * inv_freq
-
-    def rope64(x):  # x [n, head_dim] float64, rotate_half convention
-        x1, x2 = x[:, :half], x[:, half:]
-        return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], 1)
-
-    parts = qkv.astype(np.float64).reshape(heads + 2 * kv_heads, head_dim)
-    q_expected, k_expected, v_expected = parts[:heads], parts[heads:heads + kv_heads], parts[heads + kv_heads:]
-    pair_size = np.abs(parts[:, :half]) + np.abs(parts[:, half:])  # |x1| + |x2| bounds each output
-    # cos/sin are float32 (one rounding each), then two products and a sum in float32.
-    np.testing.assert_array_less(np.abs(q.copy_to_host() - rope64(q_expected)),
-                                 8 * FP32_EPS * np.tile(pair_size[:heads], 2) + 1e-30)
-    page, slot = page_table[position // PAGE_SIZE], position % PAGE_SIZE
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
-    k_rot = rope64(k_expected)
-    np.testing.assert_array_less(np.abs(k_got[page, :, slot].astype(np.float64) - k_rot),
-                                 FP16_HALF_ULP * np.abs(k_rot)
-                                 + 8 * FP32_EPS * np.tile(pair_size[heads:heads + kv_heads], 2) + 2.0**-25)
-    np.testing.assert_array_equal(v_got[page, :, slot], v_expected.astype(np.float16))
-    untouched = np.ones(k_init.shape[:3], bool)
-    untouched[page, :, slot] = False
-    np.testing.assert_array_equal(k_got[untouched], k_init[untouched])
-    np.testing.assert_array_equal(v_got[untouched], v_init[untouched])
 
 
 def test_page_alloc_maps_the_new_page_to_the_next_free_one():
