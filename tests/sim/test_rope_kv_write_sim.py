@@ -8,19 +8,7 @@ from numba import cuda
 
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE
 from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
-
-FP16_HALF_ULP = 2.0 ** -11  # relative rounding error of one conversion to float16 (normal range)
-FP32_EPS = 2.0 ** -23
-
-
-def run(launch):
-    stream = cuda.stream()
-    launch(stream)
-    stream.synchronize()
-
-
-def device_int(value: int):
-    return cuda.to_device(np.array([value], np.int32))
+from simulated import FP16_HALF_ULP, FP32_EPS, run, device_int
 
 
 def rope64(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:

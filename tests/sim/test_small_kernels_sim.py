@@ -17,18 +17,10 @@ from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from pynanoqwen.kernels.rmsnorm import make_rmsnorm
 from pynanoqwen.kernels.sampling import Sampler, device_params, uniform_reference
 from pynanoqwen.sampling import SamplingParams
+from simulated import FP16_HALF_ULP, FP32_EPS, run
 
 # The counter-based generator multiplies uint64 values modulo 2^64 on purpose; numpy scalars warn.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-
-FP16_HALF_ULP = 2.0 ** -11  # relative rounding error of one conversion to float16 (normal range)
-FP32_EPS = 2.0 ** -23
-
-
-def run(launch):
-    stream = cuda.stream()
-    launch(stream)
-    stream.synchronize()
 
 
 def test_embedding_copies_the_row_of_the_token_at_pos():
