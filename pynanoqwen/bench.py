@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -92,6 +93,10 @@ def gpu_info() -> dict:
 
 
 def git_commit() -> str:
+    """The commit benchmarked: $PYNANOQWEN_COMMIT when set (the GPU machine's copy of the tree has
+    no trustworthy .git: scripts/device_run.sh is given the commit by whoever starts it), else git's."""
+    if os.environ.get("PYNANOQWEN_COMMIT"):
+        return os.environ["PYNANOQWEN_COMMIT"]
     try:
         here = Path(__file__).resolve().parent
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,

@@ -2,7 +2,9 @@
 # One call on the GPU machine: set up once, then run a plan's steps in lanes, one lane per GPU,
 # every step under its own timeout, every log kept; a table of steps prints last.
 #
-#   bash scripts/device_run.sh scripts/plans/NAME.plan        (from the repo root, with .whl carried)
+#   PYNANOQWEN_COMMIT=$(git rev-parse --short HEAD) bash scripts/device_run.sh scripts/plans/NAME.plan
+#   (from the repo root, with .whl carried; the commit goes into bench results, since the copy of the
+#   tree on the GPU machine carries no trustworthy .git: it reported a stale HEAD in session 2)
 #
 # A plan line is `lane | timeout seconds | step name | shell command`; '#' starts a comment. Lane
 # N runs on GPU N (CUDA_VISIBLE_DEVICES=N), its steps one after another; lanes run side by side.

@@ -175,3 +175,12 @@ def test_prefill_flops_of_the_7b_model():
 
     per_layer = 2 * 512 * 233_046_016 + 2 * 2 * 3584 * 512 * 513 // 2
     assert prefill_flops(PRESETS["7b"], 512) == 28 * per_layer + 2 * 152064 * 3584
+
+
+def test_the_commit_comes_from_the_environment_when_given(monkeypatch):
+    from pynanoqwen.bench import git_commit
+
+    monkeypatch.setenv("PYNANOQWEN_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"
+    monkeypatch.delenv("PYNANOQWEN_COMMIT")
+    assert git_commit() != "abc1234"
