@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import numpy as np
+
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
                   "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",
                   "page_alloc_prefill", "last_row_prefill")
@@ -31,6 +33,17 @@ class CompileTarget:
     @property
     def py_func(self):
         return getattr(self.kernel, "py_func", self.kernel)
+
+
+def on_device(array, dtype):
+    """A device array of `dtype`: a numpy array is copied over (contiguous, converted), a device
+    array is taken as it is if it already has that dtype."""
+    from numba import cuda
+
+    array = cuda.to_device(np.ascontiguousarray(array, dtype=dtype)) if isinstance(array, np.ndarray) else array
+    if array.dtype != np.dtype(dtype):
+        raise TypeError(f"expected a {np.dtype(dtype)} array, got {array.dtype}")
+    return array
 
 
 def all_compile_targets() -> list[CompileTarget]:

@@ -88,7 +88,7 @@ from ..ptx.half2 import fma_f16x2
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ld_shared_v4_u32, mma_m16n8k16
 from ..ptx.prmt import prmt
-from . import CompileTarget
+from . import CompileTarget, on_device
 from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
     SELECT_BYTES_0_1, SELECT_BYTES_2_3
 
@@ -355,13 +355,6 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     return gemm_int4
 
 
-def _on_device(array, dtype):
-    array = cuda.to_device(np.ascontiguousarray(array, dtype=dtype)) if isinstance(array, np.ndarray) else array
-    if array.dtype != np.dtype(dtype):
-        raise TypeError(f"expected a {np.dtype(dtype)} array, got {array.dtype}")
-    return array
-
-
 def _weights(n: int, k: int, qweight, scales):
     """(qweight uint32 [N*K/8], scale bits uint16 [N*K/128]) on the device, flat."""
     if k % GROUP_SIZE:
@@ -369,8 +362,8 @@ def _weights(n: int, k: int, qweight, scales):
     if tuple(qweight.shape) != (n, k // 8) or tuple(scales.shape) != (n, k // GROUP_SIZE):
         raise ValueError(f"qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} do not match "
                          f"N={n}, K={k}")
-    q = _on_device(qweight, np.uint32).reshape(n * k // 8)
-    s = _on_device(scales, np.float16).reshape(n * k // GROUP_SIZE).view(np.uint16)
+    q = on_device(qweight, np.uint32).reshape(n * k // 8)
+    s = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE).view(np.uint16)
     return q, s
 
 
@@ -408,7 +401,7 @@ class Int4Gemm:
         self.n, self.k, self.out_dtype = n, k, out_dtype
         self._launcher = _Launcher(n, k, tiles, 1, out_dtype)
         self.qweight, self.scales = _weights(n, k, qweight, scales)
-        self.bias = None if bias is None else _on_device(bias, np.float16)
+        self.bias = None if bias is None else on_device(bias, np.float16)
         if self.bias is not None and tuple(self.bias.shape) != (n,):
             raise ValueError(f"bias must have shape ({n},), got {tuple(self.bias.shape)}")
         self._unused_bias = cuda.device_array(1, np.float16) if bias is None else None

@@ -28,7 +28,7 @@ from numba.core import types
 from ..ptx.half2 import half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.warp import warp_sum
-from . import CompileTarget
+from . import CompileTarget, on_device
 from .gemv_int4 import default_rows_per_warp
 
 WARPS_PER_BLOCK = 8
@@ -84,7 +84,7 @@ class Fp16Gemv:
         rows = default_rows_per_warp(n) if rows_per_warp is None else rows_per_warp
         if rows not in (1, 2, 4) or n % rows:
             raise ValueError(f"rows_per_warp={rows} must be 1, 2 or 4 and divide N={n}")
-        weight = cuda.to_device(np.ascontiguousarray(weight)) if isinstance(weight, np.ndarray) else weight
+        weight = on_device(weight, np.float16)
         self.n, self.k, self.rows_per_warp = n, k, rows
         self.weight_words = weight.reshape(n * k).view(np.uint32)
         self.kernel = gemv_fp16_kernel(n, k, rows)

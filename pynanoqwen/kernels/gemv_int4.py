@@ -77,7 +77,7 @@ from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
-from . import CompileTarget
+from . import CompileTarget, on_device
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
@@ -390,13 +390,6 @@ def default_rows_per_warp(n: int, matrices: int = 1) -> int:
     return 1
 
 
-def _on_device(array, dtype):
-    array = cuda.to_device(np.ascontiguousarray(array, dtype=dtype)) if isinstance(array, np.ndarray) else array
-    if array.dtype != np.dtype(dtype):
-        raise TypeError(f"expected a {np.dtype(dtype)} array, got {array.dtype}")
-    return array
-
-
 def _check(path: str, n: int, k: int, qweight, scales, rows: int) -> None:
     if path not in PATHS:
         raise ValueError(f"unknown GEMV path {path!r}; choose one of {PATHS}")
@@ -424,7 +417,7 @@ class _Launcher:
         self.grid = -(-n // (rows * WARPS_PER_BLOCK))
         self.int8 = Int8Activations(k) if path == "dp4a" else None
         self.norm_eps = None if norm_eps is None else float(norm_eps)
-        self.norm_weight = None if norm_weight is None else _on_device(norm_weight, np.float16)
+        self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
         if self.norm_weight is not None and tuple(self.norm_weight.shape) != (k,):
             raise ValueError(f"norm_weight must have shape ({k},), got {tuple(self.norm_weight.shape)}")
         if self.norm_weight is not None and path == "dp4a":
@@ -465,9 +458,9 @@ class Int4Gemv:
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
         self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
         self.n, self.k, self.path, self.rows_per_warp, self.out_dtype = n, k, path, rows, out_dtype
-        self.qweight = _on_device(qweight, np.uint32).reshape(n * k // 8)
-        self.scales = _on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
-        self.bias = None if bias is None else _on_device(bias, np.float16)
+        self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
+        self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
+        self.bias = None if bias is None else on_device(bias, np.float16)
         if self.bias is not None and tuple(self.bias.shape) != (n,):
             raise ValueError(f"bias must have shape ({n},), got {tuple(self.bias.shape)}")
 
@@ -497,10 +490,10 @@ class GateUpSilu:
         _check(path, n, k, up_q, up_s, rows)
         self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
         self.n, self.k, self.path, self.rows_per_warp = n, k, path, rows
-        self.gate_q = _on_device(gate_q, np.uint32).reshape(n * k // 8)
-        self.gate_s = _on_device(gate_s, np.float16).reshape(n * k // GROUP_SIZE)
-        self.up_q = _on_device(up_q, np.uint32).reshape(n * k // 8)
-        self.up_s = _on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE)
+        self.gate_q = on_device(gate_q, np.uint32).reshape(n * k // 8)
+        self.gate_s = on_device(gate_s, np.float16).reshape(n * k // GROUP_SIZE)
+        self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8)
+        self.up_s = on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE)
 
     def kernel(self):
         return gate_up_kernel(self.path, self.n, self.k, self.rows_per_warp, self._launcher.kernel_norm_eps)
