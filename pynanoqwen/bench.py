@@ -251,34 +251,42 @@ def prefill_sweep(backend, lengths, repeats: int, rng) -> list[dict]:
     return rows
 
 
+def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
+    """(name, N, K, epilogue) of each linear of a decoder layer, as the engine builds them (QKV
+    one matrix with bias, gate and up one fused SiLU product, o and down adding to the residual)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h, "bias"), ("o_proj", h, cfg.q_size, "residual"),
+            ("gate_up", i, h, "gate_up_silu"), ("down_proj", h, i, "residual")]
+
+
+def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random packed words and FP16 scales of an N x K linear (speed does not depend on values)."""
+    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
+            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
+
+
 def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048)) -> list[dict]:
     """TFLOP/s of the INT4 GEMM of each linear of `cfg` at each M in `ms` with each tile shape it
-    can take (split-K only where the epilogue adds into the residual), in CUDA graphs; enough
-    weight copies are rotated that each call reads its weights from HBM, as a prefill does layer
-    after layer. `default` marks the tile the engine picks (gemm_int4.default_tiles_for)."""
+    can take (gemm_int4.candidate_tiles), in CUDA graphs; enough weight copies are rotated that
+    each call reads its weights from HBM, as a prefill does layer after layer. `default` marks the
+    tile the engine picks (gemm_int4.default_tiles_for)."""
     from numba import cuda
 
-    from .gpu_timing import L2_BYTES, time_graph
-    from .kernels.gemm_int4 import TILE_NAMES, default_tiles_for, gemm_flops, make_gate_up_silu_gemm, \
-        make_gemm_int4
+    from .gpu_timing import time_graph, weight_copies
+    from .kernels.gemm_int4 import TILE_NAMES, candidate_tiles, default_tiles_for, gemm_flops, \
+        make_gate_up_silu_gemm, make_gemm_int4, matrices_of
 
     rng = np.random.default_rng(0)
     stream = cuda.stream()
-    h, i, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
     rows = []
-    for name, n, k, epilogue in (("qkv", qkv, h, "bias"), ("o_proj", h, cfg.q_size, "residual"),
-                                 ("gate_up", i, h, "gate_up_silu"), ("down_proj", h, i, "residual")):
-        matrices = 2 if epilogue == "gate_up_silu" else 1
-        weight_bytes = matrices * (n * k // 2 + n * k // 64)
-        copies = max(1, -(-2 * L2_BYTES // weight_bytes))
-        weights = [[(cuda.to_device(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)),
-                     cuda.to_device((rng.uniform(0.005, 0.02, (n, k // 128))).astype(np.float16)))
-                    for _ in range(matrices)] for _ in range(copies)]
+    for name, n, k, epilogue in layer_linears(cfg):
+        matrices = matrices_of(epilogue)
+        copies = weight_copies(matrices * (n * k // 2 + n * k // 64))
+        weights = [[tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)]
+                   for _ in range(copies)]
         bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
         extra = {"residual": True} if epilogue == "residual" else {}
-        for tiles in TILE_NAMES:
-            if (tiles.splits > 1 and epilogue != "residual") or not tiles.fits(n, k, matrices):
-                continue
+        for tiles in candidate_tiles(n, k, epilogue):
             gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) if matrices == 2
                      else make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
             for m in ms:
@@ -311,16 +319,14 @@ def kernel_breakdown(backend, context: int) -> list[dict]:
 def gemv_paths(cfg: ModelConfig) -> list[dict]:
     """prmt vs dp4a at each linear shape of `cfg` (random weights: speed does not depend on values)."""
     from .gpu_timing import time_gemv
+    from .kernels.gemm_int4 import matrices_of
     from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
 
     rng = np.random.default_rng(0)
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = [("qkv", cfg.q_size + 2 * cfg.kv_size, h, 1), ("o_proj", h, cfg.q_size, 1), ("gate_up", i, h, 2),
-              ("down_proj", h, i, 1), ("lm_head", cfg.vocab_size, h, 1)]
     rows = []
-    for name, n, k, matrices in shapes:
-        weights = [(rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
-                    (rng.standard_normal((n, k // 128)) * 0.01).astype(np.float16)) for _ in range(matrices)]
+    for name, n, k, epilogue in layer_linears(cfg) + [("lm_head", cfg.vocab_size, cfg.hidden_size, "plain")]:
+        matrices = matrices_of(epilogue)
+        weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
         row = {"name": name, "n": n, "k": k}
         for path in ("prmt", "dp4a"):

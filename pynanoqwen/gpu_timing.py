@@ -35,12 +35,18 @@ def time_graph(stream, enqueue: Callable[[], None], replays: int = 20) -> float:
         graph.close()
 
 
+def weight_copies(bytes_per_call: int) -> int:
+    """Copies of a call's weights to rotate through so that together they exceed the L2 twice:
+    every call then reads its weights from HBM, as in a real decode step or prefill."""
+    return max(1, -(-2 * L2_BYTES // bytes_per_call))
+
+
 def time_gemv(build, bytes_per_call: int, out_dtype, replays: int = 20) -> float:
     """Seconds per call of a GEMV object built by `build()` (.launch(stream, x, out), .n, .k).
 
     Enough copies of the weights are rotated that together they exceed the L2 twice, so every
     call reads its weights from HBM as it does in a real decode step."""
-    copies = max(1, -(-2 * L2_BYTES // bytes_per_call))
+    copies = weight_copies(bytes_per_call)
     calls = max(copies, 32)
     gemvs = [build() for _ in range(copies)]
     stream = cuda.stream()

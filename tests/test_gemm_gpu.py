@@ -23,7 +23,7 @@ The bound is a worst case (~5e-4 mag at K = 3584); a fragment or layout mistake 
 import numpy as np
 import pytest
 
-from pynanoqwen.kernels.gemm_int4 import SMALL, TILE_NAMES, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import SMALL, TILE_NAMES, candidate_tiles, make_gate_up_silu_gemm, make_gemm_int4
 from pynanoqwen.quant import dequantize_int4
 
 pytestmark = pytest.mark.gpu
@@ -36,10 +36,8 @@ SHAPES = [("qkv", QKV, HIDDEN, "bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
 
 
 def variants(n, k, epilogue):
-    """The tile shapes bench's GEMM table compares for this linear; split-K only where the epilogue adds."""
-    matrices = 2 if epilogue == "gate_up_silu" else 1
-    return [tiles for tiles in TILE_NAMES if tiles is not SMALL and tiles.fits(n, k, matrices)
-            and (tiles.splits == 1 or epilogue == "residual")]
+    """The tile shapes bench's GEMM table compares for this linear, but SMALL (M <= 16 only)."""
+    return [tiles for tiles in candidate_tiles(n, k, epilogue) if tiles is not SMALL]
 
 
 def random_int4(rng, n, k):

@@ -155,6 +155,18 @@ TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NA
               LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k"}
 
 
+def matrices_of(epilogue: str) -> int:
+    """Weight matrices a GEMM with this epilogue reads: gate and up for gate_up_silu, else one."""
+    return 2 if epilogue == "gate_up_silu" else 1
+
+
+def candidate_tiles(n: int, k: int, epilogue: str) -> list[TileShape]:
+    """Every tile shape that can compute an N x K linear with this epilogue (split-K only where
+    the epilogue adds into `out`): what bench's GEMM table times and default_tiles_for picks from."""
+    return [tiles for tiles in TILE_NAMES if tiles.fits(n, k, matrices_of(epilogue))
+            and (tiles.splits == 1 or epilogue == "residual")]
+
+
 SM_COUNT = 132  # H100 SXM and H200
 RESIDENT_BLOCKS = 2 * SM_COUNT  # LARGE blocks that run at once: two per SM (226 registers a thread)
 
@@ -174,7 +186,7 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str) -> TileShape:
         return SMALL
     if m <= 64:
         return MEDIUM
-    matrices = 2 if epilogue == "gate_up_silu" else 1
+    matrices = matrices_of(epilogue)
     if epilogue == "residual" and LARGE_SPLIT_K.fits(n, k, matrices):
         return LARGE_SPLIT_K
     if -(-m // LARGE.block_m) * n // (LARGE.block_n // matrices) >= RESIDENT_BLOCKS or not NARROW.fits(n, k, matrices):
@@ -209,7 +221,7 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
-    matrices = 2 if epilogue == "gate_up_silu" else 1
+    matrices = matrices_of(epilogue)
     tiles.check(matrices)
     BLOCK_M, BLOCK_N, STAGES, THREADS, SPLITS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
     WARPS_N = tiles.warps_n
