@@ -18,10 +18,10 @@ from pynanoqwen.kernels import all_compile_targets
 TARGETS = all_compile_targets()
 
 
-def assemble_sm90(ptx: str) -> str:
-    """ptxas' verbose report (registers, spills) for the PTX, assembled for sm_90 by nvJitLink."""
+def assemble_sm90(ptx: str, arch: str = "sm_90") -> str:
+    """ptxas' verbose report (registers, spills) for the PTX, assembled for sm_90 (or sm_90a) by nvJitLink."""
     nvjitlink = pytest.importorskip("cuda.bindings.nvjitlink")
-    handle = nvjitlink.create(3, ["-arch=sm_90", "-O3", "-verbose"])
+    handle = nvjitlink.create(3, [f"-arch={arch}", "-O3", "-verbose"])
     try:
         data = ptx.encode()
         nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
@@ -54,7 +54,7 @@ def hottest_loop(ptx: str, markers) -> list[str]:
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
 def test_kernel_compiles_for_sm90(target):
-    ptx, _ = cuda.compile_ptx(target.py_func, target.signature, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(target.py_func, target.signature, cc=target.cc)
     body = ptx[ptx.index(".entry"):]
     counts = instructions(body.splitlines())
     for instruction in target.must_contain:
@@ -63,7 +63,7 @@ def test_kernel_compiles_for_sm90(target):
         assert counts["call"] == 0, f"{target.name}: a hot kernel makes a function call"
     assert ".local" not in ptx, f"{target.name}: uses local memory (an array Numba did not keep in registers)"
 
-    report = assemble_sm90(ptx)
+    report = assemble_sm90(ptx, "sm_" + "".join(map(str, target.cc)))
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
     registers = re.findall(r"Used (\d+) registers", report)
     assert spills and registers, report

@@ -29,6 +29,7 @@ class CompileTarget:
     signature: str | object  # a Numba signature, as a string or a numba.core.typing.Signature
     must_contain: tuple[str, ...] = ()  # PTX instruction texts that must appear inline
     hot: bool = True  # on the per-token path: no `call` allowed in its PTX
+    cc: tuple = (9, 0)  # (9, 0, "a") for sm_90a-only instructions (wgmma), as numba-cuda compiles on an H100/H200
 
     @property
     def py_func(self):

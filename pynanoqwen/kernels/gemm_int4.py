@@ -89,6 +89,7 @@ from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_a
     ld_shared_v4_u32, mma_m16n8k16
 from ..ptx.prmt import prmt
 from . import CompileTarget, on_device
+from .gemm_int4_wgmma import WgmmaTile, wgmma_gemm_kernel
 from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
     SELECT_BYTES_0_1, SELECT_BYTES_2_3
 
@@ -142,6 +143,8 @@ class TileShape:
     def shared_bytes(self) -> int:
         return 4 * self.stages * (self.block_m * A_ROW_WORDS + self.block_n * B_ROW_WORDS)
 
+    dynamic_shared_bytes = 0  # the ring is a static shared array
+
 
 LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: the prefill tile
 MEDIUM = TileShape(64, 128, 2, 2)  # warps of 32 x 64: twice the blocks for short prompts
@@ -151,8 +154,18 @@ NARROW = TileShape(128, 64, 2, 2)  # warps of 64 x 32: twice LARGE's blocks wher
 LARGE_SPLIT_K = TileShape(128, 128, 2, 2, splits=2)  # LARGE over two halves of K (residual GEMMs)
 LARGE_SPLIT_K4 = TileShape(128, 128, 2, 2, splits=4)  # ... over four quarters of K
 MEDIUM_SPLIT_K = TileShape(64, 128, 2, 2, splits=2)  # MEDIUM over two halves of K
+# wgmma tiles (gemm_int4_wgmma.py): warpgroups of 64 weight rows x tokens per block
+WG2_T128 = WgmmaTile(2, 128)  # 128 weight rows x 128 tokens, 256 threads
+WG1_T128 = WgmmaTile(1, 128)  # 64 x 128: twice the blocks where N is small
+WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: the weight tile serves twice the tokens
+WG2_T64 = WgmmaTile(2, 64, stages=6)  # 128 x 64: short prompts
+WG2_T128_SPLIT_K = WgmmaTile(2, 128, splits=2)  # WG2_T128 over two halves of K (residual GEMMs)
+WG1_T128_SPLIT_K = WgmmaTile(1, 128, splits=2)
 TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NARROW: "narrow",
-              LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k"}
+              LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k",
+              WG2_T128: "wgmma_128x128", WG1_T128: "wgmma_64x128", WG2_T256: "wgmma_128x256",
+              WG2_T64: "wgmma_128x64", WG2_T128_SPLIT_K: "wgmma_128x128_split_k",
+              WG1_T128_SPLIT_K: "wgmma_64x128_split_k"}
 
 
 def matrices_of(epilogue: str) -> int:
@@ -211,9 +224,9 @@ def dequantize8(word, scale):
     return w01, w23, w45, w67
 
 
-@functools.cache
-def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
-    """gemm_int4(x, m, q0, s0, q1, s1, bias, out) for one shape, tile and epilogue.
+def gemm_kernel(n: int, k: int, tiles, epilogue: str):
+    """gemm_int4(x, m, q0, s0, q1, s1, bias, out) for one shape, tile and epilogue: the mma.sync
+    kernel below for a TileShape, gemm_int4_wgmma's for a WgmmaTile.
 
     x uint32 [rows * K/2] (float16 pairs), m uint32, q* uint32 [N*K/8], s* uint16 [N*K/128] (FP16
     bits), bias float16 [N], out float32 or float16 [rows * N]; all flat. q1/s1 (the up matrix) and
@@ -221,6 +234,14 @@ def gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
+    if isinstance(tiles, WgmmaTile):
+        return wgmma_gemm_kernel(n, k, tiles, epilogue)
+    return mma_sync_gemm_kernel(n, k, tiles, epilogue)
+
+
+@functools.cache
+def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
+    """The mma.sync kernel (gemm_kernel's operands)."""
     matrices = matrices_of(epilogue)
     tiles.check(matrices)
     BLOCK_M, BLOCK_N, STAGES, THREADS, SPLITS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
@@ -379,6 +400,23 @@ def _weights(n: int, k: int, qweight, scales):
     return q, s
 
 
+def allow_dynamic_shared(kernel, signature, nbytes: int) -> None:
+    """Compile `kernel` for `signature` (if not yet) and let it take `nbytes` of dynamic shared
+    memory: beyond 48 KiB a launch fails unless the function's limit is raised first
+    (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    key = (kernel, str(signature), nbytes)
+    if key not in _shared_limits_raised:
+        function = kernel.compile(signature)._codelibrary.get_cufunc()
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
+        _shared_limits_raised.add(key)
+
+
+_shared_limits_raised: set = set()
+
+
 class _Launcher:
     """What every GEMM object does at launch: check the operands, pick the tile, flatten, launch."""
 
@@ -400,8 +438,12 @@ class _Launcher:
         if m < 1:
             return
         grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices), tiles.splits)
-        kernel[grid, tiles.threads, stream](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
-                                            out.reshape(out.size))
+        shared = tiles.dynamic_shared_bytes
+        if shared > STATIC_SHARED_BYTES:
+            allow_dynamic_shared(kernel, _signature(types.float16 if out.dtype == np.float16 else types.float32),
+                                 shared)
+        kernel[grid, tiles.threads, stream, shared](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
+                                                    out.reshape(out.size))
 
 
 class Int4Gemm:
@@ -496,4 +538,17 @@ def compile_targets() -> list[CompileTarget]:
         label = TILE_NAMES[tiles]
         targets.append(CompileTarget(f"gemm_int4_{epilogue}_{label}[{name} {n}x{k}]",
                                      gemm_kernel(n, k, tiles, epilogue), _signature(out), must))
+    wgmma_must = ("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "wgmma.fence.sync.aligned",
+                  "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned", "fence.proxy.async.shared::cta",
+                  "cp.async.cg.shared.global", "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
+    for name, n, k, epilogue, tiles, out in (
+            ("qkv", qkv, hidden, "bias", WG1_T128, types.float32),
+            ("o_proj", hidden, hidden, "residual", WG2_T128_SPLIT_K, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T128, types.float16),
+            ("down_proj", hidden, intermediate, "residual", WG2_T128_SPLIT_K, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
+            ("tiny, float16 out", 256, 256, "plain", WG2_T64, types.float16)):
+        must = wgmma_must if tiles.tokens >= 128 else tuple(i.replace("n128", f"n{tiles.tokens}") for i in wgmma_must)
+        targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
+                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must, cc=(9, 0, "a")))
     return targets

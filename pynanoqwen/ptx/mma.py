@@ -96,9 +96,10 @@ class _WarpRendezvous:
     milliseconds, and a GEMM tile is mostly mma instructions.)
     """
 
-    def __init__(self):
+    def __init__(self, width: int = 32):
+        self.width = width
         self.ready = threading.Condition()
-        self.operands = [None] * 32
+        self.operands = [None] * width
         self.results = [None, None]
         self.arrived = 0
         self.generation = 0
@@ -108,14 +109,14 @@ class _WarpRendezvous:
             generation = self.generation
             self.operands[lane] = operands
             self.arrived += 1
-            if self.arrived == 32:
+            if self.arrived == self.width:
                 self.results[generation % 2] = compute(self.operands)
                 self.arrived = 0
                 self.generation += 1
                 self.ready.notify_all()
             elif not self.ready.wait_for(lambda: self.generation != generation, timeout=DEADLOCK_SECONDS):
                 raise RuntimeError(f"{instruction}: lane {lane} waited {DEADLOCK_SECONDS:.0f} s for the rest "
-                                   f"of its warp")
+                                   f"of its {self.width} threads")
             return self.results[generation % 2][lane]
 
 
@@ -123,20 +124,21 @@ DEADLOCK_SECONDS = 60.0  # a lane waiting this long waits for a lane that died o
 _rendezvous_lock = threading.Lock()
 
 
-def _cooperate(instruction: str, operands, compute):
-    """This lane's part of compute(all 32 lanes' operands), compute run once per warp."""
+def _cooperate(instruction: str, operands, compute, width: int = 32):
+    """This thread's part of compute(all `width` threads' operands), compute run once per group:
+    a warp (32) for mma and ldmatrix, a warpgroup (128, ptx/wgmma.py) for wgmma."""
     thread = threading.current_thread()
     block = thread._manager  # the simulator's BlockManager: a new one runs each block
-    warp, lane = divmod(thread.thread_id, 32)
+    group, lane = divmod(thread.thread_id, width)
     with _rendezvous_lock:
-        warps = block.__dict__.setdefault("_pynanoqwen_warp_rendezvous", {})
-        if warp not in warps:
+        groups = block.__dict__.setdefault(f"_pynanoqwen_rendezvous_{width}", {})
+        if group not in groups:
             threads_in_block = int(np.prod(block._block_dim))
-            if threads_in_block < 32 * (warp + 1):
-                raise RuntimeError(f"{instruction}: warp {warp} has {threads_in_block - 32 * warp} lanes; "
-                                   f"all 32 must take part")
-            warps[warp] = _WarpRendezvous()
-        rendezvous = warps[warp]
+            if threads_in_block < width * (group + 1):
+                raise RuntimeError(f"{instruction}: group {group} has {threads_in_block - width * group} threads; "
+                                   f"all {width} must take part")
+            groups[group] = _WarpRendezvous(width)
+        rendezvous = groups[group]
     return rendezvous.meet(instruction, lane, operands, compute)
 
 

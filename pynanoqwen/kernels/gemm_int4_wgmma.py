@@ -1,0 +1,291 @@
+"""INT4 GEMM for prefill on Hopper's warpgroup MMA: out[M, N] = X[M, K] W^T, plus a fused epilogue.
+
+The same function as gemm_int4.py (same operands, epilogues and API, through its factories), on
+`wgmma.mma_async` (ptx/wgmma.py) instead of `mma.sync`. mma.sync tops out far below the tensor
+cores' rate on Hopper (gemm_int4 reached 270 TFLOP/s at best); wgmma runs asynchronously, so the
+warps dequantize the next weights while the tensor cores multiply the current ones.
+
+Roles. wgmma takes A (64 rows) from registers and B from shared memory. The INT4 weights must be
+unpacked in registers anyway, so they are A: the product is computed transposed, D = W X^T
+[features x tokens], and the epilogue writes out[token, feature]. X (FP16, row-major [M, K]) is B,
+"K-major": a token's 64-wide k slab is one 128-byte row, copied in by cp.async 16 bytes at a time
+into the 128-byte-swizzled layout the wgmma descriptor reads (chunk c of token row r at chunk
+position c ^ (r % 8)), which is also free of bank conflicts for the copies.
+
+Launch shape. grid = (ceil(M / TOKENS), N / COLS, SPLITS), block = 128 x WARPGROUPS threads.
+Each warpgroup owns 64 weight rows; the block's X tile (TOKENS tokens) is shared by its
+warpgroups. For the fused gate/up projection each warp's 16 rows are 8 gate rows (fragment rows
+0-7) and the up rows of the same 8 output columns (rows 8-15), so lane (g, t) holds gate and up of
+column g side by side (acc[4i + e] and acc[4i + 2 + e]) and applies silu(g) * u in registers.
+
+Fragments. Lane (g, t) of warp w needs, for k step j (16 wide) of a 64-wide k tile, A[16w+g, 16j +
+2t .. +1] and A[16w+g, 16j + 8 + 2t .. +1] (and the same of row 16w+g+8): pair t of packed words 2j
+and 2j+1 of its weight row (a word holds 8 consecutive k). So each lane reads its two weight rows'
+32 bytes per k tile from shared memory (two ld.shared.v4 per row; the four lanes of a row read the
+same address, a broadcast) and unpacks one pair per word: prmt (bytes 0-1 or 2-3 by t), AND (low or
+high nibbles by t's parity), fma (offset removal, exact), fma (times the group scale, the one
+rounding): 4 instructions per pair, 64 per lane per k tile, against 4 wgmma of 64 x TOKENS x 16.
+
+Pipeline. Shared memory holds STAGES k tiles (X tile TOKENS x 128 bytes, then the weight tile
+64 WARPGROUPS x 32 bytes), dynamic shared memory aligned up to 1024 bytes. In k tile kt a thread
+waits for its copies of tile kt (cp.async.wait_group), makes them visible to the tensor cores
+(fence.proxy.async), passes the barrier, refills the stage of tile kt - 2 (every warpgroup has
+waited for that tile's wgmmas: wait_group(1) in tile kt - 1), unpacks tile kt's weights, issues its
+4 wgmmas as one group, and waits until only that group is in flight. So tile kt's wgmmas run while
+tile kt + 1's weights are unpacked. The k loop is unrolled by two (one 128-wide scale group): even
+and odd tiles unpack into different registers, which the in-flight wgmma of the previous tile still
+reads.
+
+Epilogues as in gemm_int4.py: `plain`, `bias` (QKV), `residual` (out += XW^T into the float32
+residual; split-K blocks add atomically), `gate_up_silu` (float16 out). Rows of X past M are
+zero-filled by the copies; only the epilogue checks tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from ..config import GROUP_SIZE
+from ..ptx.half2 import fma_f16x2
+from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
+from ..ptx.prmt import prmt
+from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
+    wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
+from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
+    SELECT_BYTES_0_1, SELECT_BYTES_2_3
+
+U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
+
+K_TILE = 64  # k per pipeline stage: one 128-byte swizzle row per token, 4 wgmma k steps
+X_ROW_WORDS = K_TILE // 2  # words of one token's k slab in a stage (128 bytes)
+W_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (32 bytes)
+TILES_PER_GROUP = GROUP_SIZE // K_TILE  # 2: the k loop is unrolled by this
+ROWS_PER_WARPGROUP = 64
+SHARED_LIMIT = 227 * 1024  # a block's dynamic shared memory on sm_90 (after cudaFuncSetAttribute)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaTile:
+    """A block's tile: 64 WARPGROUPS weight rows (all matrices together) x TOKENS activation rows,
+    STAGES 64-wide k tiles in flight, K split over SPLITS blocks (residual epilogue only)."""
+
+    warpgroups: int
+    tokens: int
+    stages: int = 4
+    splits: int = 1
+
+    @property
+    def block_m(self) -> int:  # activation rows per block (gemm_int4's launcher speaks in these)
+        return self.tokens
+
+    @property
+    def block_n(self) -> int:  # weight rows per block
+        return ROWS_PER_WARPGROUP * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * self.warpgroups
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.tokens * 4 * X_ROW_WORDS + self.block_n * 4 * W_ROW_WORDS
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        return self.stages * self.stage_bytes + SWIZZLE_ATOM_BYTES  # + slack to align the ring
+
+    def check(self, matrices: int) -> None:
+        if self.tokens not in SHAPES_N or self.warpgroups not in (1, 2) or not 3 <= self.stages \
+                or self.dynamic_shared_bytes > SHARED_LIMIT or self.splits < 1 or matrices not in (1, 2):
+            raise ValueError(f"{self}: wgmma widths are {SHAPES_N}, 1 or 2 warpgroups, >= 3 stages within "
+                             f"{SHARED_LIMIT} bytes of shared memory")
+
+    def fits(self, n: int, k: int, matrices: int) -> bool:
+        try:
+            self.check(matrices)
+        except ValueError:
+            return False
+        return n % (self.block_n // matrices) == 0 and k % (GROUP_SIZE * self.splits) == 0
+
+
+@cuda.jit(device=True, inline="always")
+def dequantize_pair(word, selector, mask, multiplier, offset, scale):
+    """One lane's pair of a packed word (pair t: weights 2t, 2t+1) times the half2 scale."""
+    return fma_f16x2(fma_f16x2(prmt(word, MAGIC_EXPONENTS, selector) & mask, multiplier, offset), scale, U(0))
+
+
+@functools.cache
+def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
+    """gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias, out), gemm_int4.gemm_kernel's operands."""
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    tiles.check(matrices)
+    TOKENS, ROWS, STAGES, THREADS, SPLITS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
+    COLS = ROWS // matrices  # output columns per block
+    if n % COLS or k % (GROUP_SIZE * SPLITS):
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE * SPLITS}")
+    if SPLITS > 1 and epilogue != "residual":
+        raise ValueError(f"split-K ({SPLITS} splits) adds partial products into `out`: residual epilogue only")
+    ATOM_WORDS = SWIZZLE_ATOM_BYTES // 4
+    WIDTH = min(TOKENS, 128)  # wgmma n: a 256-token tile issues two n128 wgmmas (two accumulator
+    HALVES = TOKENS // WIDTH  # arrays: LLVM keeps a 128-float local array in memory, 64 in registers)
+    ACCUMULATORS = WIDTH // 2
+    HALF_WORDS = WIDTH // 8 * ATOM_WORDS  # B words of WIDTH token rows
+    X_STAGE_WORDS = TOKENS * X_ROW_WORDS
+    STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
+    X_CHUNKS, W_CHUNKS = TOKENS * X_ROW_WORDS // 4, ROWS * W_ROW_WORDS // 4  # 16-byte copies per stage
+    X_WORDS, W_WORDS, GROUPS = k // 2, k // 8, k // GROUP_SIZE  # words of one X row / W row; scale groups
+    SPLIT_GROUPS = GROUPS // SPLITS
+    AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
+    WAIT = STAGES - 3  # copy groups that may stay pending when tile kt must have landed
+    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
+
+    @cuda.jit(device=True, inline="always")
+    def weight_row(r):
+        """(output column within the block, 1 for the up matrix) of the block's weight row r."""
+        if GATE_UP:  # warp (r // 16) holds 8 gate rows, then the up rows of the same columns
+            return (r // U(16)) * U(8) + r % U(8), (r // U(8)) % U(2)
+        return r, U(0)
+
+    @cuda.jit(device=True, inline="always")
+    def load_stage(x, m, q0, q1, tile, stage_word, kt, m0, n0):
+        """Issue this thread's cp.async share of k tile kt into the stage at word stage_word."""
+        tid = U(cuda.threadIdx.x)
+        for i in range(-(-X_CHUNKS // THREADS)):
+            c = tid + U(i * THREADS)
+            if X_CHUNKS % THREADS == 0 or c < X_CHUNKS:
+                row, chunk = c // U(X_ROW_WORDS // 4), c % U(X_ROW_WORDS // 4)
+                inside = m0 + row < m
+                src_row = m0 + row if inside else U(0)  # rows >= M: read nothing, write zeros
+                cp_async_16(tile, stage_word + row * U(X_ROW_WORDS) + U(4) * (chunk ^ (row % U(8))),
+                            x, src_row * U(X_WORDS) + kt * U(X_ROW_WORDS) + chunk * U(4), U(16) if inside else U(0))
+        for i in range(-(-W_CHUNKS // THREADS)):
+            c = tid + U(i * THREADS)
+            if W_CHUNKS % THREADS == 0 or c < W_CHUNKS:
+                r, half = c // U(2), c % U(2)
+                col, up = weight_row(r)
+                src = (n0 + col) * U(W_WORDS) + kt * U(W_ROW_WORDS) + half * U(4)
+                dst = stage_word + U(X_STAGE_WORDS) + r * U(W_ROW_WORDS) + half * U(4)
+                if up:
+                    cp_async_16(tile, dst, q1, src, U(16))
+                else:
+                    cp_async_16(tile, dst, q0, src, U(16))
+
+    @cuda.jit(device=True, inline="always")
+    def half2_scale(s0, s1, feature, up, group):
+        bits = U(s1[feature * U(GROUPS) + group]) if up else U(s0[feature * U(GROUPS) + group])
+        return bits | (bits << U(16))
+
+    @cuda.jit(device=True, inline="always")
+    def multiply_tile(tile, stage_word, w_word, unpack, scale_a, scale_b, a, acc, acc_high):
+        """Unpack this lane's weights of the k tile at stage_word into a, then issue its 4 wgmmas."""
+        selector, mask, multiplier, offset = unpack
+        a0, a1, a2, a3 = ld_shared_v4_u32(tile, w_word)  # row g: k 0..31
+        a4, a5, a6, a7 = ld_shared_v4_u32(tile, w_word + U(4))  # row g: k 32..63
+        b0, b1, b2, b3 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS))  # row g + 8
+        b4, b5, b6, b7 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS + 4))
+        row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
+        row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
+        for j in range(4):  # k step j: words 2j (k 16j..16j+7) and 2j+1 (k 16j+8..16j+15)
+            a[4 * j] = dequantize_pair(row_a[2 * j], selector, mask, multiplier, offset, scale_a)
+            a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
+            a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
+            a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
+        wgmma_fence()
+        for j in range(4):
+            wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, stage_word + U(8 * j))
+            if HALVES == 2:  # tokens 128..255 of the tile
+                wgmma_f16(acc_high, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile,
+                          stage_word + U(HALF_WORDS + 8 * j))
+        wgmma_commit_group()
+        wgmma_wait_group(1)  # the previous tile's wgmmas are done: its stage and registers are free
+
+    @cuda.jit(device=True, inline="always")
+    def step(x, m, q0, q1, tile, ring, kt, first_tile, m0, n0, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt (counted from the block's first): wait, publish, refill, multiply."""
+        cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
+        fence_proxy_async_shared()  # ...are visible to the tensor cores...
+        cuda.syncthreads()  # ...and everyone's are; every warpgroup is done with tile kt - 2's stage
+        ahead = kt + U(AHEAD)
+        if ahead < U(SPLIT_GROUPS * TILES_PER_GROUP):
+            load_stage(x, m, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), first_tile + ahead, m0, n0)
+        cp_async_commit_group()  # possibly empty: keeps one group per k tile
+        stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
+        multiply_tile(tile, stage_word, stage_word + w_offset, unpack, scale_a, scale_b, a, acc, acc_high)
+
+    @cuda.jit
+    def gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias_values, out):
+        tile = cuda.shared.array(0, uint32)
+        a_even = cuda.local.array(16, uint32)  # A fragments of even / odd k tiles: the previous
+        a_odd = cuda.local.array(16, uint32)  # tile's wgmma still reads its registers
+        acc = cuda.local.array(ACCUMULATORS, float32)
+        acc_high = cuda.local.array(ACCUMULATORS, float32)  # used when HALVES == 2
+        m = U(m)
+        m0 = U(cuda.blockIdx.x) * U(TOKENS)
+        n0 = U(cuda.blockIdx.y) * U(COLS)
+        tid = U(cuda.threadIdx.x)
+        lane = tid % U(32)
+        g, t = lane // U(4), lane % U(4)
+        row_a = (tid // U(32)) * U(16) + g  # this lane's weight rows in the block: row_a, row_a + 8
+        col_a, up_a = weight_row(row_a)
+        col_b, up_b = weight_row(row_a + U(8))
+        # pair t of a word: bytes 0-1 (t < 2) or 2-3, low nibbles (t even) or high
+        unpack = (SELECT_BYTES_0_1 if t < U(2) else SELECT_BYTES_2_3,
+                  LOW_NIBBLES if t % U(2) == U(0) else HIGH_NIBBLES,
+                  ONE if t % U(2) == U(0) else ONE_SIXTEENTH,
+                  MINUS_1032 if t % U(2) == U(0) else MINUS_72)
+        base = shared_byte_address(tile, U(0))
+        ring = ((U(SWIZZLE_ATOM_BYTES) - base % U(SWIZZLE_ATOM_BYTES)) % U(SWIZZLE_ATOM_BYTES)) // U(4)
+        w_offset = U(X_STAGE_WORDS) + row_a * U(W_ROW_WORDS)
+        first_group = U(cuda.blockIdx.z) * U(SPLIT_GROUPS)
+        first_tile = first_group * U(TILES_PER_GROUP)
+        for c in range(ACCUMULATORS):
+            acc[c] = float32(0)
+            acc_high[c] = float32(0)
+
+        for s in range(AHEAD):
+            load_stage(x, m, q0, q1, tile, ring + U(s * STAGE_WORDS), first_tile + U(s), m0, n0)
+            cp_async_commit_group()
+        next_a = half2_scale(s0, s1, n0 + col_a, up_a, first_group)
+        next_b = half2_scale(s0, s1, n0 + col_b, up_b, first_group)
+        for group in range(SPLIT_GROUPS):
+            scale_a, scale_b = next_a, next_b
+            if group + 1 < SPLIT_GROUPS:  # fetched a group ahead: the loads' latency hides behind it
+                next_a = half2_scale(s0, s1, n0 + col_a, up_a, first_group + U(group + 1))
+                next_b = half2_scale(s0, s1, n0 + col_b, up_b, first_group + U(group + 1))
+            kt = U(group * TILES_PER_GROUP)
+            step(x, m, q0, q1, tile, ring, kt, first_tile, m0, n0, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
+            step(x, m, q0, q1, tile, ring, kt + U(1), first_tile, m0, n0, w_offset, unpack, scale_a, scale_b,
+                 a_odd, acc, acc_high)
+        wgmma_wait_group(0)
+
+        # acc[4i + 2h + e] is D[row_a + 8h, token 8i + 2t + e] (acc_high: token WIDTH + 8i + 2t + e)
+        for half in range(HALVES):
+            for i in range(WIDTH // 8):
+                for e in range(2):
+                    token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
+                    if token < m:
+                        first = acc_high[4 * i + e] if half else acc[4 * i + e]
+                        second = acc_high[4 * i + 2 + e] if half else acc[4 * i + 2 + e]
+                        at = token * U(n) + n0
+                        if GATE_UP:  # first is the gate, second the up projection of column col_a
+                            out[at + col_a] = first / (float32(1) + math.exp(-first)) * second
+                        else:
+                            if BIAS:
+                                first += float32(bias_values[n0 + col_a])
+                                second += float32(bias_values[n0 + col_b])
+                            if RESIDUAL and SPLITS > 1:  # other blocks add their k ranges too
+                                cuda.atomic.add(out, at + col_a, first)
+                                cuda.atomic.add(out, at + col_b, second)
+                            elif RESIDUAL:
+                                out[at + col_a] += first
+                                out[at + col_b] += second
+                            else:
+                                out[at + col_a] = first
+                                out[at + col_b] = second
+
+    return gemm_int4_wgmma
