@@ -265,11 +265,11 @@ def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
             rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
 
 
-def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048)) -> list[dict]:
+def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try=None) -> list[dict]:
     """TFLOP/s of the INT4 GEMM of each linear of `cfg` at each M in `ms` with each tile shape it
-    can take (gemm_int4.candidate_tiles), in CUDA graphs; enough weight copies are rotated that
-    each call reads its weights from HBM, as a prefill does layer after layer. `default` marks the
-    tile the engine picks (gemm_int4.default_tiles_for)."""
+    can take (gemm_int4.candidate_tiles, or those of `tiles_to_try` that fit), in CUDA graphs;
+    enough weight copies are rotated that each call reads its weights from HBM, as a prefill does
+    layer after layer. `default` marks the tile the engine picks (gemm_int4.default_tiles_for)."""
     from numba import cuda
 
     from .gpu_timing import time_graph, weight_copies
@@ -286,7 +286,7 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048)) -> list[dict
                    for _ in range(copies)]
         bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
         extra = {"residual": True} if epilogue == "residual" else {}
-        for tiles in candidate_tiles(n, k, epilogue):
+        for tiles in candidate_tiles(n, k, epilogue, tiles_to_try):
             gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) if matrices == 2
                      else make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
             for m in ms:
@@ -295,7 +295,7 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048)) -> list[dict
                 calls = max(copies, 8)
                 seconds = time_graph(stream, lambda: [gemms[c % copies].launch(stream, x, out, m, **extra)
                                                       for c in range(calls)], replays=5) / calls
-                rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES[tiles],
+                rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES.get(tiles, str(tiles)),
                              "default": tiles == default_tiles_for(m, n, k, epilogue), "us": seconds * 1e6,
                              "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12})
     return sorted(rows, key=lambda r: r["m"])

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.gpu
 
 def probe(n: int, step: int):
     """A kernel computing D = A B^T with one wgmma m64n{n}k16, B at k step `step` of its slab."""
+    registers = n // 2  # a constant for cuda.local.array
+
     @cuda.jit
     def one_wgmma(a_words, b_words, d):
         tile = cuda.shared.array(0, uint32)
@@ -34,8 +36,8 @@ def probe(n: int, step: int):
         lane = tid % 32
         g, t = lane // 4, lane % 4
         row = 16 * (tid // 32) + g
-        acc = cuda.local.array(n // 2, float32)
-        for i in range(n // 2):
+        acc = cuda.local.array(registers, float32)
+        for i in range(registers):
             acc[i] = float32(0)
         wgmma_fence()
         wgmma_f16(acc, n, a_words[row * 8 + t], a_words[(row + 8) * 8 + t], a_words[row * 8 + 4 + t],

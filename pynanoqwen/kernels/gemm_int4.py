@@ -173,38 +173,40 @@ def matrices_of(epilogue: str) -> int:
     return 2 if epilogue == "gate_up_silu" else 1
 
 
-def candidate_tiles(n: int, k: int, epilogue: str) -> list[TileShape]:
-    """Every tile shape that can compute an N x K linear with this epilogue (split-K only where
-    the epilogue adds into `out`): what bench's GEMM table times and default_tiles_for picks from."""
-    return [tiles for tiles in TILE_NAMES if tiles.fits(n, k, matrices_of(epilogue))
-            and (tiles.splits == 1 or epilogue == "residual")]
+def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
+    """Every tile shape (of TILE_NAMES, or of `tiles_to_try`) that can compute an N x K linear
+    with this epilogue (split-K only where the epilogue adds into `out`): what bench's GEMM table
+    times and default_tiles_for picks from."""
+    return [tiles for tiles in (TILE_NAMES if tiles_to_try is None else tiles_to_try)
+            if tiles.fits(n, k, matrices_of(epilogue)) and (tiles.splits == 1 or epilogue == "residual")]
 
 
-SM_COUNT = 132  # H100 SXM and H200
-RESIDENT_BLOCKS = 2 * SM_COUNT  # LARGE blocks that run at once: two per SM (226 registers a thread)
+LONG_PROMPT_ROWS = 1024  # from here on the wider wgmma tiles win (bench's GEMM table at M = 2048)
 
 
-def default_tiles_for(m: int, n: int, k: int, epilogue: str) -> TileShape:
+def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     """The tile for M activation rows of an N x K linear with this epilogue.
 
-    The largest tile that does not mostly compute padding: SMALL to M = 16, MEDIUM to 64. Beyond,
-    a residual GEMM (o_proj, down_proj) splits K in two (LARGE_SPLIT_K); any other takes LARGE
-    unless LARGE's grid is under one full wave (RESIDENT_BLOCKS), where NARROW's twice as many
-    blocks fill the SMs. Measured on the H200 (bench's GEMM table, docs/PERFORMANCE.md), LARGE ->
-    chosen, us: o_proj 86.6 -> 66.7 at M = 512 and 264.4 -> 226.9 at 2048; down_proj 408.4 -> 308.0
-    and 1192.2 -> 1044.7; qkv 120.7 -> 104.1 at 512 (LARGE at 2048: 300.3, NARROW 297.7); gate_up
-    stays LARGE, the fastest of every tile at both (514.7 and 2030.0).
+    mma.sync's SMALL to M = 16 and MEDIUM to 64; beyond, the wgmma tiles, whichever was fastest in
+    bench's GEMM table on the H200 (docs/PERFORMANCE.md; us at M = 512 -> 2048, against the best
+    mma.sync tile): qkv WG1_T128 at both (48.4 and 148.3, mma.sync 103.6 and 297.4); the residual
+    GEMMs WG2_T128 below LONG_PROMPT_ROWS (o_proj 34.8, down_proj 169.1; mma.sync split-K 66.8,
+    305.2) and split in two along K from there (137.4, 593.7; mma.sync 226.7, 1053.8); gate_up
+    WG1_T128 below (319.9; LARGE 515.8) and WG2_T256 from there (1142.5; LARGE 2065.5). A tile
+    that does not fit the shape (a tiny model's) falls back to mma.sync's LARGE.
     """
     if m <= 16:
         return SMALL
     if m <= 64:
         return MEDIUM
-    matrices = matrices_of(epilogue)
-    if epilogue == "residual" and LARGE_SPLIT_K.fits(n, k, matrices):
-        return LARGE_SPLIT_K
-    if -(-m // LARGE.block_m) * n // (LARGE.block_n // matrices) >= RESIDENT_BLOCKS or not NARROW.fits(n, k, matrices):
-        return LARGE
-    return NARROW
+    long_prompt = m >= LONG_PROMPT_ROWS
+    if epilogue == "residual":
+        tiles = WG2_T128_SPLIT_K if long_prompt else WG2_T128
+    elif epilogue == "gate_up_silu":
+        tiles = WG2_T256 if long_prompt else WG1_T128
+    else:
+        tiles = WG1_T128
+    return tiles if tiles.fits(n, k, matrices_of(epilogue)) else LARGE
 
 
 @cuda.jit(device=True, inline="always")
