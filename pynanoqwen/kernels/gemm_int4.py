@@ -3,13 +3,19 @@
 X is float16 [M, K] (M = prompt tokens, row-major); W is an INT4 linear in the ValueShuffle
 layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128]). Prefill of a
 512-token prompt through the 7B model is ~7.8 TFLOP: tensor-core work, not the GEMV's
-bandwidth problem. The weights are dequantized on the fly, in registers, straight into the B
-operand of `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style.
+bandwidth problem. The weights are dequantized on the fly, in registers, straight into a tensor-core
+operand. Two kernels do it, chosen by the tile shape (`default_tiles_for`):
+- WgmmaTile shapes: Hopper's asynchronous warpgroup MMA (gemm_int4_wgmma.py), for every prompt
+  bucket beyond 16 tokens: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table).
+- TileShape shapes: `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style, this
+  module's kernel, described below: SMALL for up to 16 tokens, and LARGE for shapes no wgmma tile
+  fits (and as the reference row of bench's table). It peaks near 270 TFLOP/s: mma.sync does not
+  reach the Hopper tensor cores' rate.
+Both share the API, the operands and the epilogues; the factories below build either.
 
-Launch shape. grid = (ceil(M / BLOCK_M), N / COLS, SPLITS), block = 32 * WARPS_M * WARPS_N
-threads. Block (i, j, z) computes rows BLOCK_M*i.. of columns COLS*j.. over the z-th of SPLITS
-equal shares of K (SPLITS = 1 but for split-K, below); blocks next to each other in x share a weight
-tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the block's output:
+Launch shape (mma.sync). grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N
+threads. Block (i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x
+share a weight tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the block's output:
 WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per tile. The default
 tile (`LARGE`) is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
 32-wide k step. The fused gate/up projection is the same kernel with two weight matrices: a block
@@ -51,15 +57,10 @@ Measured on the H200 (bench/logs/2026-11-30-gemm-first-run.log, tests/test_gemm_
 TFLOP/s on gate_up at M = 512 and 2048, 160-176 on o_proj and down_proj at M = 512, of the ~790
 the H200 reaches in bf16 through PyTorch (wgmma; mma.sync cannot reach that).
 
-Other tiles, for the grid rather than the warp (the warp tile stays 64 x 64 or smaller):
-- At M = 512 a 3584-wide output is 4 x 28 = 112 LARGE blocks for 132 SMs, one 4-warp block on
-  most of them. Split-K (`splits`) runs each block over a share of K and has it add its partial
-  product into the float32 residual with atomic adds: LARGE_SPLIT_K doubles the blocks. Only the
-  residual epilogue can do this (it already adds into `out`); the sum order of the partials is
-  whichever block finishes first, so results may differ in the last bit between runs.
-- WIDE (128 x 256, 8 warps) shares each activation tile among twice the weight rows: 6 KiB from
-  L2 per MFLOP instead of 10; its 48 KiB ring is the static limit. NARROW (128 x 64) doubles
-  LARGE's blocks for small N without shortening the warps' M.
+Split-K (wgmma tiles with `splits` > 1): each block runs over a share of K and adds its partial
+product into the float32 residual with atomic adds, multiplying the blocks where N alone leaves
+SMs idle. Only the residual epilogue can do this (it already adds into `out`); the sum order of
+the partials is whichever block finishes first, so results may differ in the last bit between runs.
 
 API (the prefill path builds these once per layer):
 
@@ -114,7 +115,7 @@ class TileShape:
     warps_m: int
     warps_n: int
     stages: int = 4
-    splits: int = 1  # split-K: blocks along K, each adding its partial product atomically (residual only)
+    splits = 1  # no split-K in the mma.sync kernel (the launcher reads it)
 
     def check(self, matrices: int) -> None:
         """Raise ValueError unless every warp gets whole 16 x 8 mma tiles (of each matrix), the
@@ -122,7 +123,7 @@ class TileShape:
         warp_m, warp_n = self.block_m // self.warps_m, self.block_n // self.warps_n
         if self.block_m % (16 * self.warps_m) or self.block_n % (8 * matrices * self.warps_n) \
                 or warp_n % (8 * matrices) or not 2 <= self.stages <= TILES_PER_GROUP + 1 \
-                or self.shared_bytes > STATIC_SHARED_BYTES or self.splits < 1:
+                or self.shared_bytes > STATIC_SHARED_BYTES:
             raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
                              f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
                              f"{STATIC_SHARED_BYTES} bytes of shared memory")
@@ -133,7 +134,7 @@ class TileShape:
             self.check(matrices)
         except ValueError:
             return False
-        return n % (self.block_n // matrices) == 0 and k % (GROUP_SIZE * self.splits) == 0
+        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
 
     @property
     def threads(self) -> int:
@@ -146,26 +147,17 @@ class TileShape:
     dynamic_shared_bytes = 0  # the ring is a static shared array
 
 
-LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: the prefill tile
-MEDIUM = TileShape(64, 128, 2, 2)  # warps of 32 x 64: twice the blocks for short prompts
+LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: mma.sync's fastest at M = 512 and 2048
 SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
-WIDE = TileShape(128, 256, 2, 4)  # 8 warps of 64 x 64: the activation tile serves twice the weights
-NARROW = TileShape(128, 64, 2, 2)  # warps of 64 x 32: twice LARGE's blocks where N is small
-LARGE_SPLIT_K = TileShape(128, 128, 2, 2, splits=2)  # LARGE over two halves of K (residual GEMMs)
-LARGE_SPLIT_K4 = TileShape(128, 128, 2, 2, splits=4)  # ... over four quarters of K
-MEDIUM_SPLIT_K = TileShape(64, 128, 2, 2, splits=2)  # MEDIUM over two halves of K
 # wgmma tiles (gemm_int4_wgmma.py): warpgroups of 64 weight rows x tokens per block
-WG2_T128 = WgmmaTile(2, 128)  # 128 weight rows x 128 tokens, 256 threads
-WG1_T128 = WgmmaTile(1, 128)  # 64 x 128: twice the blocks where N is small
-WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: the weight tile serves twice the tokens
-WG2_T64 = WgmmaTile(2, 64, stages=6)  # 128 x 64: short prompts
+WG1_T64 = WgmmaTile(1, 64, stages=6)  # 64 weight rows x 64 tokens: short prompts
+WG1_T128 = WgmmaTile(1, 128)  # 64 x 128
+WG2_T128 = WgmmaTile(2, 128)  # 128 x 128: the token tile serves two warpgroups
+WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: long prompts
 WG2_T128_SPLIT_K = WgmmaTile(2, 128, splits=2)  # WG2_T128 over two halves of K (residual GEMMs)
-WG1_T128_SPLIT_K = WgmmaTile(1, 128, splits=2)
-TILE_NAMES = {LARGE: "large", MEDIUM: "medium", SMALL: "small", WIDE: "wide", NARROW: "narrow",
-              LARGE_SPLIT_K: "large_split_k", LARGE_SPLIT_K4: "large_split_k4", MEDIUM_SPLIT_K: "medium_split_k",
-              WG2_T128: "wgmma_128x128", WG1_T128: "wgmma_64x128", WG2_T256: "wgmma_128x256",
-              WG2_T64: "wgmma_128x64", WG2_T128_SPLIT_K: "wgmma_128x128_split_k",
-              WG1_T128_SPLIT_K: "wgmma_64x128_split_k"}
+TILE_NAMES = {SMALL: "small", LARGE: "large", WG1_T64: "wgmma_64x64", WG1_T128: "wgmma_64x128",
+              WG2_T128: "wgmma_128x128", WG2_T256: "wgmma_128x256", WG2_T128_SPLIT_K: "wgmma_128x128_split_k"}
+"""Every tile bench's GEMM table times; the name says weight rows x tokens of a wgmma block."""
 
 
 def matrices_of(epilogue: str) -> int:
@@ -181,31 +173,33 @@ def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
             if tiles.fits(n, k, matrices_of(epilogue)) and (tiles.splits == 1 or epilogue == "residual")]
 
 
-LONG_PROMPT_ROWS = 1024  # from here on the wider wgmma tiles win (bench's GEMM table at M = 2048)
+SHORT_PROMPT_ROWS = 128  # up to here 64-token tiles (and split-K for the residual GEMMs) win
+LONG_PROMPT_ROWS = 1024  # from here on the wider tiles win (bench's GEMM table at M = 2048)
 
 
 def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     """The tile for M activation rows of an N x K linear with this epilogue.
 
-    mma.sync's SMALL to M = 16 and MEDIUM to 64; beyond, the wgmma tiles, whichever was fastest in
-    bench's GEMM table on the H200 (docs/PERFORMANCE.md; us at M = 512 -> 2048, against the best
-    mma.sync tile): qkv WG1_T128 at both (48.4 and 148.3, mma.sync 103.6 and 297.4); the residual
-    GEMMs WG2_T128 below LONG_PROMPT_ROWS (o_proj 34.8, down_proj 169.1; mma.sync split-K 66.8,
-    305.2) and split in two along K from there (137.4, 593.7; mma.sync 226.7, 1053.8); gate_up
-    WG1_T128 below (319.9; LARGE 515.8) and WG2_T256 from there (1142.5; LARGE 2065.5). A tile
-    that does not fit the shape (a tiny model's) falls back to mma.sync's LARGE.
+    mma.sync's SMALL to M = 16; beyond, the wgmma tile that was fastest in bench's GEMM table on
+    the H200 (bench/logs/2026-11-30-session3, us at M = 64 / 128 / 512 / 2048):
+    - qkv: WG1_T64 to 128 rows (18.4 / 24.6), then WG1_T128 (48.4 / 148.3);
+    - residual (o_proj, down_proj): split-K WG2_T128_SPLIT_K to 128 rows (o 18.1 / 19.5, down
+      82.3 / 84.2), WG2_T128 below LONG_PROMPT_ROWS (34.8, 169.1), split-K again from there (137.4,
+      593.7; the fastest tile at 2048 was within 8% of it for both);
+    - gate_up: WG1_T64 to 64 rows (64.8), WG1_T128 below LONG_PROMPT_ROWS (93.6 / 319.9), WG2_T256
+      from there (1142.5).
+    mma.sync's best at 64 / 512 / 2048 for comparison: qkv 52.8 / 103.6 / 297.4, o_proj 55.9 /
+    66.8 / 226.7, gate_up 107.1 / 515.8 / 2065.5, down 282.4 / 305.2 / 1053.8 (SMALL to 16 rows
+    has not been compared). A tile that does not fit the shape (a tiny model's) falls back to LARGE.
     """
     if m <= 16:
         return SMALL
-    if m <= 64:
-        return MEDIUM
-    long_prompt = m >= LONG_PROMPT_ROWS
     if epilogue == "residual":
-        tiles = WG2_T128_SPLIT_K if long_prompt else WG2_T128
+        tiles = WG2_T128 if SHORT_PROMPT_ROWS < m < LONG_PROMPT_ROWS else WG2_T128_SPLIT_K
     elif epilogue == "gate_up_silu":
-        tiles = WG2_T256 if long_prompt else WG1_T128
+        tiles = WG1_T64 if m <= 64 else WG1_T128 if m < LONG_PROMPT_ROWS else WG2_T256
     else:
-        tiles = WG1_T128
+        tiles = WG1_T64 if m <= SHORT_PROMPT_ROWS else WG1_T128
     return tiles if tiles.fits(n, k, matrices_of(epilogue)) else LARGE
 
 
@@ -246,13 +240,11 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     """The mma.sync kernel (gemm_kernel's operands)."""
     matrices = matrices_of(epilogue)
     tiles.check(matrices)
-    BLOCK_M, BLOCK_N, STAGES, THREADS, SPLITS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
+    BLOCK_M, BLOCK_N, STAGES, THREADS = tiles.block_m, tiles.block_n, tiles.stages, tiles.threads
     WARPS_N = tiles.warps_n
     COLS = BLOCK_N // matrices  # output columns per block = weight rows per matrix
-    if n % COLS or k % (GROUP_SIZE * SPLITS):
-        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE * SPLITS}")
-    if SPLITS > 1 and epilogue != "residual":
-        raise ValueError(f"split-K ({SPLITS} splits) adds partial products into `out`: residual epilogue only")
+    if n % COLS or k % GROUP_SIZE:
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
     WARP_M, WARP_COLS = BLOCK_M // tiles.warps_m, COLS // WARPS_N
     M_TILES = WARP_M // 16
     COL_TILES = WARP_COLS // 8  # n8 tiles per matrix per warp
@@ -263,7 +255,6 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
     A_RING, B_RING = STAGES * A_STAGE, STAGES * B_STAGE  # shared words (a literal size for Numba)
     A_CHUNKS = BLOCK_M * A_ROW_WORDS // CHUNK_WORDS
     X_ROW_WORDS, W_ROW_WORDS, GROUPS, K_TILES = k // 2, k // 8, k // GROUP_SIZE, k // K_TILE
-    SPLIT_GROUPS, SPLIT_TILES = GROUPS // SPLITS, K_TILES // SPLITS  # a block's share of K
     WAIT = STAGES - 2  # groups that may stay in flight when a tile must have landed
     BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
 
@@ -337,27 +328,25 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
         first_col = warp_col + g  # this lane's weight rows (in each matrix): first_col + 8j
         a_at = first_row * U(A_ROW_WORDS) + U(4) * t
         b_at = first_col * U(B_ROW_WORDS) + t
-        first_group = U(cuda.blockIdx.z) * U(SPLIT_GROUPS)  # this block's k range (split-K)
-        first_tile = first_group * U(TILES_PER_GROUP)
         for c in range(ACCUMULATORS):
             acc[c] = float32(0)
 
         for kt in range(STAGES - 1):
-            load_stage(x, m, q0, q1, a_tiles, b_tiles, U(kt), first_tile + U(kt), m0, n0)
+            load_stage(x, m, q0, q1, a_tiles, b_tiles, U(kt), U(kt), m0, n0)
             cp_async_commit_group()
-        load_scales(s0, s1, n0 + first_col, first_group, upcoming_scale)
-        for group in range(SPLIT_GROUPS):
+        load_scales(s0, s1, n0 + first_col, U(0), upcoming_scale)
+        for group in range(GROUPS):
             for j in range(N_TILES):
                 scale[j] = upcoming_scale[j]
-            if group + 1 < SPLIT_GROUPS:
-                load_scales(s0, s1, n0 + first_col, first_group + U(group + 1), upcoming_scale)
+            if group + 1 < GROUPS:
+                load_scales(s0, s1, n0 + first_col, U(group + 1), upcoming_scale)
             for sub in range(TILES_PER_GROUP):
-                kt = U(group * TILES_PER_GROUP + sub)  # counted from first_tile
+                kt = U(group * TILES_PER_GROUP + sub)
                 cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
                 cuda.syncthreads()  # ...everyone's have, and nobody still reads tile kt - 1's stage
                 ahead = kt + U(STAGES - 1)
-                if ahead < SPLIT_TILES:
-                    load_stage(x, m, q0, q1, a_tiles, b_tiles, ahead % U(STAGES), first_tile + ahead, m0, n0)
+                if ahead < K_TILES:
+                    load_stage(x, m, q0, q1, a_tiles, b_tiles, ahead % U(STAGES), ahead, m0, n0)
                 cp_async_commit_group()  # possibly empty: keeps one group per k tile
                 stage = kt % U(STAGES)
                 multiply_stage(a_tiles, b_tiles, stage * U(A_STAGE) + a_at, stage * U(B_STAGE) + b_at,
@@ -380,9 +369,7 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
                                 value += bias0 if e == 0 else bias1
                             if GATE_UP:  # value is the gate; the up tile is COL_TILES tiles on
                                 value = value / (float32(1) + math.exp(-value)) * acc[c + e + 4 * COL_TILES]
-                            if RESIDUAL and SPLITS > 1:  # other blocks add their k ranges too
-                                cuda.atomic.add(out, row * U(n) + col + U(e), value)
-                            elif RESIDUAL:
+                            if RESIDUAL:
                                 out[row * U(n) + col + U(e)] += value
                             else:
                                 out[row * U(n) + col + U(e)] = value
@@ -424,7 +411,7 @@ class _Launcher:
 
     def __init__(self, n: int, k: int, tiles: TileShape | None, matrices: int, out_dtype: str):
         self.n, self.k, self.tiles, self.matrices, self.out_dtype = n, k, tiles, matrices, out_dtype
-        for shape in ((tiles,) if tiles else (SMALL, MEDIUM, LARGE)):  # NARROW and split-K only where they fit
+        for shape in ((tiles,) if tiles else (SMALL, LARGE)):  # the wgmma tiles only where they fit
             shape.check(matrices)
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
@@ -531,10 +518,6 @@ def compile_targets() -> list[CompileTarget]:
             ("o_proj", hidden, hidden, "residual", LARGE, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", LARGE, types.float16),
             ("down_proj", hidden, intermediate, "residual", LARGE, types.float32),
-            ("qkv", qkv, hidden, "bias", MEDIUM, types.float32),
-            ("qkv", qkv, hidden, "bias", NARROW, types.float32),
-            ("gate_up", intermediate, hidden, "gate_up_silu", WIDE, types.float16),
-            ("down_proj", hidden, intermediate, "residual", LARGE_SPLIT_K, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", SMALL, types.float16),
             ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16)):
         label = TILE_NAMES[tiles]
@@ -545,11 +528,12 @@ def compile_targets() -> list[CompileTarget]:
                   "cp.async.cg.shared.global", "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
     for name, n, k, epilogue, tiles, out in (
             ("qkv", qkv, hidden, "bias", WG1_T128, types.float32),
-            ("o_proj", hidden, hidden, "residual", WG2_T128_SPLIT_K, types.float32),
-            ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T128, types.float16),
+            ("o_proj", hidden, hidden, "residual", WG2_T128, types.float32),
+            ("gate_up", intermediate, hidden, "gate_up_silu", WG1_T128, types.float16),
             ("down_proj", hidden, intermediate, "residual", WG2_T128_SPLIT_K, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
-            ("tiny, float16 out", 256, 256, "plain", WG2_T64, types.float16)):
+            ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
+            ("tiny, float16 out", 256, 256, "plain", WG1_T64, types.float16)):
         must = wgmma_must if tiles.tokens >= 128 else tuple(i.replace("n128", f"n{tiles.tokens}") for i in wgmma_must)
         targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
                                      gemm_kernel(n, k, tiles, epilogue), _signature(out), must, cc=(9, 0, "a")))

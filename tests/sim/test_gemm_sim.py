@@ -1,7 +1,11 @@
-"""The INT4 tensor-core GEMM (kernels/gemm_int4.py) under the CUDA simulator, every epilogue, at tiny
-sizes and a tiny tile (32 x 32, two warps, three stages: the same kernel code as on the GPU),
-against float64 numpy (quant.dequantize_int4) on fresh random inputs; and the warp-cooperative
-twins of mma.sync and ldmatrix inside a simulated warp.
+"""The INT4 tensor-core GEMMs under the CUDA simulator, every epilogue, at tiny sizes, against
+float64 numpy (quant.dequantize_int4) on fresh random inputs; and the warp-cooperative twins of
+mma.sync and ldmatrix inside a simulated warp. Each test runs both kernels, through the same
+factories the engine uses: the mma.sync kernel (kernels/gemm_int4.py) at a tiny tile (32 x 32, two
+warps, three stages) and the wgmma kernel (kernels/gemm_int4_wgmma.py) at one warpgroup and 64
+tokens (dynamic shared ring, 128-byte swizzle, per-lane pair unpack, gate/up row interleave; its
+simulated wgmma reads B through the swizzle from the shared tile, so a copy written to the wrong
+chunk, a descriptor index off by a k step or a fragment in the wrong lane gives a wrong product).
 
 Tolerances, derived rather than tuned (u16 = 2^-11, u32 = 2^-24 unit roundoffs):
 - "exact" operands: scales j/128 (|j| < 128) times codes -8..7 are multiples of 1/128 below 8 in
@@ -20,6 +24,7 @@ import pytest
 from numba import cuda, float32, uint32
 
 from pynanoqwen.kernels.gemm_int4 import TileShape, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from pynanoqwen.quant import dequantize_int4
@@ -28,7 +33,9 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 
 U16, U32 = 2.0**-11, 2.0**-24
 SIM_TILES = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3)
-SIM_SPLIT_K = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3, splits=2)
+SIM_WGMMA = WgmmaTile(warpgroups=1, tokens=64, stages=3)
+SIM_WGMMA_SPLIT_K = WgmmaTile(warpgroups=1, tokens=64, stages=3, splits=2)
+BOTH_KERNELS = pytest.mark.parametrize("tiles", [SIM_TILES, SIM_WGMMA], ids=["mma_sync", "wgmma"])
 EXTRA_ROWS = 3  # x and out have rows past m: the kernel must neither need nor touch them
 
 
@@ -52,20 +59,21 @@ def run(gemm, x, out, m, **epilogue):
     return result[:m].astype(np.float64)
 
 
+@BOTH_KERNELS
 @pytest.mark.parametrize("m, n, k, epilogue", [
-    (33, 32, 256, "plain"),      # 2 row blocks, the second mostly zero-filled rows; 8 k tiles, 2 groups
-    (7, 64, 256, "bias"),        # 2 column blocks
-    (1, 32, 384, "residual"),    # one token; 3 scale groups, the stage ring wraps 4 times
-    (17, 32, 128, "float16"),    # a single group: the pipeline's prologue covers most of K
+    (70, 64, 256, "plain"),      # 2 or 3 token blocks, the last mostly zero-filled rows; 2 groups
+    (7, 128, 256, "bias"),       # 2 or 4 column blocks
+    (1, 64, 384, "residual"),    # one token; 3 scale groups, the stage ring wraps
+    (17, 64, 128, "float16"),    # a single group: the pipeline's prologue covers most of K
 ])
-def test_gemm_exact_operands(m, n, k, epilogue):
+def test_gemm_exact_operands(tiles, m, n, k, epilogue):
     rng = np.random.default_rng()
     qweight, scales, w = exact_linear(rng, n, k)
     x = exact_activations(rng, m, k)
     bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
     out_dtype = np.float16 if epilogue == "float16" else np.float32
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(out_dtype)  # residual adds to fresh values
-    gemm = make_gemm_int4(n, k, qweight, scales, bias=bias, out_dtype=np.dtype(out_dtype).name, tiles=SIM_TILES)
+    gemm = make_gemm_int4(n, k, qweight, scales, bias=bias, out_dtype=np.dtype(out_dtype).name, tiles=tiles)
     y = run(gemm, x, out, m, residual=epilogue == "residual")
     expected = x[:m].astype(np.float64) @ w.T
     if epilogue == "plain":
@@ -83,11 +91,11 @@ def test_split_k_residual_exact_operands():
     """Two blocks along K each add their partial product (exact here) to out with an atomic add:
     two FP32 roundings, each at most u32 times a running sum bounded by |out| + |X| |W|^T."""
     rng = np.random.default_rng()
-    m, n, k = 9, 32, 256  # one scale group per split
+    m, n, k = 9, 64, 256  # one scale group per split
     qweight, scales, w = exact_linear(rng, n, k)
     x = exact_activations(rng, m, k)
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float32)
-    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_SPLIT_K)
+    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_WGMMA_SPLIT_K)
     y = run(gemm, x, out, m, residual=True)
     x64 = x[:m].astype(np.float64)
     expected = out[:m] + x64 @ w.T
@@ -97,14 +105,15 @@ def test_split_k_residual_exact_operands():
         gemm.launch(0, cuda.to_device(x), cuda.to_device(out), m)
 
 
+@BOTH_KERNELS
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # exp(-g), g < -88: inf, silu -0
-def test_gate_up_silu_exact_operands():
+def test_gate_up_silu_exact_operands(tiles):
     rng = np.random.default_rng()
-    m, n, k = 33, 32, 256  # a block holds 16 columns of each matrix: 2 column blocks
+    m, n, k = 33, 64, 256  # a block holds 16 (mma.sync) or 32 (wgmma) columns of each matrix
     gate_q, gate_s, wg = exact_linear(rng, n, k)
     up_q, up_s, wu = exact_linear(rng, n, k)
     x = exact_activations(rng, m, k)
-    mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=SIM_TILES)
+    mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=tiles)
     y = run(mlp, x, np.full((m + EXTRA_ROWS, n), np.nan, np.float16), m)
     g, u = x[:m].astype(np.float64) @ wg.T, x[:m].astype(np.float64) @ wu.T  # exact in the kernel too
     expected = g / (1 + np.exp(-g)) * u
@@ -113,14 +122,15 @@ def test_gate_up_silu_exact_operands():
     assert np.all(np.abs(y - expected) <= (U16 + 8 * U32) * np.abs(expected) + 2.0**-25)
 
 
-def test_gemm_gaussian_activations_within_accumulation_bound():
+@BOTH_KERNELS
+def test_gemm_gaussian_activations_within_accumulation_bound(tiles):
     rng = np.random.default_rng()
-    m, n, k = 20, 32, 256
+    m, n, k = 20, 64, 256
     qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
     scales = rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16)
     w = dequantize_int4(qweight, scales, np.float64)
     x = rng.standard_normal((m + EXTRA_ROWS, k)).astype(np.float16)
-    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_TILES)
+    gemm = make_gemm_int4(n, k, qweight, scales, tiles=tiles)
     y = run(gemm, x, np.zeros((m + EXTRA_ROWS, n), np.float32), m)
     x64 = x[:m].astype(np.float64)
     magnitude = np.abs(x64) @ np.abs(w.T)
