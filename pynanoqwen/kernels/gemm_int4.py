@@ -173,33 +173,39 @@ def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
             if tiles.fits(n, k, matrices_of(epilogue)) and (tiles.splits == 1 or epilogue == "residual")]
 
 
-SHORT_PROMPT_ROWS = 128  # up to here 64-token tiles (and split-K for the residual GEMMs) win
-LONG_PROMPT_ROWS = 1024  # from here on the wider tiles win (bench's GEMM table at M = 2048)
+SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
+LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win (bench's GEMM table at M = 2048)
 
 
 def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     """The tile for M activation rows of an N x K linear with this epilogue.
 
-    mma.sync's SMALL to M = 16; beyond, the wgmma tile that was fastest in bench's GEMM table on
-    the H200 (bench/logs/2026-11-30-session3, us at M = 64 / 128 / 512 / 2048):
-    - qkv: WG1_T64 to 128 rows (18.4 / 24.6), then WG1_T128 (48.4 / 148.3);
-    - residual (o_proj, down_proj): split-K WG2_T128_SPLIT_K to 128 rows (o 18.1 / 19.5, down
-      82.3 / 84.2), WG2_T128 below LONG_PROMPT_ROWS (34.8, 169.1), split-K again from there (137.4,
-      593.7; the fastest tile at 2048 was within 8% of it for both);
+    mma.sync's SMALL to M = 16; beyond, the fastest wgmma tile without split-K in bench's GEMM
+    table on the H200 (bench/logs/2026-11-30-session3; us at M = 64 / 128 / 512 / 2048):
+    - qkv: WG1_T64 to SHORT_PROMPT_ROWS (18.4 / 24.6), then WG1_T128 (48.4 / 148.3);
+    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS (o 18.6 / 18.7, down 96.9 / 97.7), WG2_T128
+      below LONG_PROMPT_ROWS (34.8, 169.1), WG2_T256 from there (138.5, 588.3);
     - gate_up: WG1_T64 to 64 rows (64.8), WG1_T128 below LONG_PROMPT_ROWS (93.6 / 319.9), WG2_T256
       from there (1142.5).
-    mma.sync's best at 64 / 512 / 2048 for comparison: qkv 52.8 / 103.6 / 297.4, o_proj 55.9 /
-    66.8 / 226.7, gate_up 107.1 / 515.8 / 2065.5, down 282.4 / 305.2 / 1053.8 (SMALL to 16 rows
-    has not been compared). A tile that does not fit the shape (a tiny model's) falls back to LARGE.
+    Split-K (WG2_T128_SPLIT_K) was faster for down_proj at 64 and 128 rows (82.3 / 84.2) but adds
+    its partial sums atomically in whatever order the blocks finish, so a prompt's logits would
+    change in the last bits from run to run, and graph and eager runs would stop agreeing token for
+    token (validate's graph tier caught exactly that on the 7B file): the defaults stay
+    deterministic. mma.sync's best at 64 / 512 / 2048 for comparison: qkv 52.8 / 103.6 / 297.4,
+    o_proj 55.9 / 66.8 / 226.7, gate_up 107.1 / 515.8 / 2065.5, down 282.4 / 305.2 / 1053.8 (SMALL to
+    16 rows has not been compared). A tile that does not fit the shape (a tiny model's) falls back
+    to LARGE.
     """
     if m <= 16:
         return SMALL
-    if epilogue == "residual":
-        tiles = WG2_T128 if SHORT_PROMPT_ROWS < m < LONG_PROMPT_ROWS else WG2_T128_SPLIT_K
-    elif epilogue == "gate_up_silu":
+    if epilogue == "gate_up_silu":
         tiles = WG1_T64 if m <= 64 else WG1_T128 if m < LONG_PROMPT_ROWS else WG2_T256
+    elif m <= SHORT_PROMPT_ROWS:
+        tiles = WG1_T64
+    elif epilogue == "residual":
+        tiles = WG2_T128 if m < LONG_PROMPT_ROWS else WG2_T256
     else:
-        tiles = WG1_T64 if m <= SHORT_PROMPT_ROWS else WG1_T128
+        tiles = WG1_T128
     return tiles if tiles.fits(n, k, matrices_of(epilogue)) else LARGE
 
 
@@ -531,6 +537,7 @@ def compile_targets() -> list[CompileTarget]:
             ("o_proj", hidden, hidden, "residual", WG2_T128, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG1_T128, types.float16),
             ("down_proj", hidden, intermediate, "residual", WG2_T128_SPLIT_K, types.float32),
+            ("down_proj", hidden, intermediate, "residual", WG2_T256, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
             ("tiny, float16 out", 256, 256, "plain", WG1_T64, types.float16)):
