@@ -15,9 +15,9 @@ Both share the API, the operands and the epilogues; the factories below build ei
 
 Launch shape (mma.sync). grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N
 threads. Block (i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x
-share a weight tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the block's output:
-WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per tile. The default
-tile (`LARGE`) is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
+share a weight tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the
+block's output: WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per
+tile. `LARGE` is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
 32-wide k step. The fused gate/up projection is the same kernel with two weight matrices: a block
 reads 64 rows of Wg and the same 64 rows of Wu, and each warp's tiles come in pairs (gate, up)
 covering the same output columns, so the epilogue finds silu(g) * u in one lane's registers.
@@ -57,10 +57,11 @@ Measured on the H200 (bench/logs/2026-11-30-gemm-first-run.log, tests/test_gemm_
 TFLOP/s on gate_up at M = 512 and 2048, 160-176 on o_proj and down_proj at M = 512, of the ~790
 the H200 reaches in bf16 through PyTorch (wgmma; mma.sync cannot reach that).
 
-Split-K (wgmma tiles with `splits` > 1): each block runs over a share of K and adds its partial
-product into the float32 residual with atomic adds, multiplying the blocks where N alone leaves
-SMs idle. Only the residual epilogue can do this (it already adds into `out`); the sum order of
-the partials is whichever block finishes first, so results may differ in the last bit between runs.
+Split-K (wgmma tiles with `splits` > 1, WG2_T128_SPLIT_K): each block runs over a share of K and
+adds its partial product into the float32 residual with atomic adds, multiplying the blocks where N
+alone leaves SMs idle. Only the residual epilogue can do this (it already adds into `out`); the sum
+order of the partials is whichever block finishes first, so results differ in the last bits between
+runs. That is why no default uses it (default_tiles_for); bench's table still times it.
 
 API (the prefill path builds these once per layer):
 

@@ -39,6 +39,19 @@ reads.
 Epilogues as in gemm_int4.py: `plain`, `bias` (QKV), `residual` (out += XW^T into the float32
 residual; split-K blocks add atomically), `gate_up_silu` (float16 out). Rows of X past M are
 zero-filled by the copies; only the epilogue checks tokens.
+
+Cost per 64-wide k tile. A block does 2 x 64 WARPGROUPS x TOKENS x 64 FLOP and copies TOKENS x 128
+bytes of X and 64 WARPGROUPS x 32 bytes of W from L2: WG1_T128 (64 x 128) 1.05 MFLOP for 18 KiB,
+WG2_T128 2.1 MFLOP for 20 KiB, WG2_T256 4.2 MFLOP for 36 KiB. A warp issues 64 ALU instructions
+(the unpack), 4 ld.shared.v4 and 4 wgmma (8 at 256 tokens). Registers (ptxas): 122-158 at 128
+tokens, 218 at 256; no spills.
+
+Measured on the H200 (bench's GEMM table, bench/logs/2026-11-30-session3/, us and TFLOP/s of the
+~790 the H200 reaches in bf16 through cuBLAS): at M = 512 qkv 48.4 (349), o_proj 34.8 (378),
+gate_up 319.9 (435), down_proj 169.1 (411); at 2048 up to 487 (gate_up, WG2_T256: 62%); the
+mma.sync kernel's best was 270. Why not closer to 790 is not yet measured (no profiler run): the
+candidates are the L2 traffic (~7.6 TB/s of tiles for WG1_T128 at 435 TFLOP/s), the one barrier
+per k tile, and the scattered transposed stores of the epilogue.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Hand-written PTX primitives for the kernels, each with a CUDA-simulator twin.
 
 Numba-CUDA has no Python spelling for some instructions the kernels are built around (`prmt.b32`,
-16-byte `ld.global.nc.v4`, `dp4a`, `fma.rn.f16x2`, cp.async.bulk, mbarrier). Each one lives here
+16-byte `ld.global.nc.v4`, `dp4a`, `fma.rn.f16x2`, cp.async.bulk, mbarrier, mma, wgmma). Each one lives here
 as one small `numba.cuda.extending.intrinsic` whose body is a single `llvmlite.ir.InlineAsm`
 string, the way numba-cuda's own `cache_hints.py` is written; the docstring says what it does and
 which section of the PTX ISA it comes from. One module per instruction family:
@@ -13,6 +13,8 @@ which section of the PTX ISA it comes from. One module per instruction family:
     warp.py   shfl.sync.bfly.b32, warp sum / max          (PTX ISA, Data Movement: shfl.sync)
     bulk_copy.py, mbarrier.py: the attention kernel's TMA copies (owned by the attention author).
     mma.py    mma.sync m16n8k16, ldmatrix, ld.shared.v4, cp.async: the tensor-core GEMM's feed
+    wgmma.py  wgmma.mma_async (A in registers, B by a swizzled shared-memory descriptor), its
+              fences and waits: the prefill GEMM on Hopper (sm_90a)
 
 How a primitive gets its simulator twin
 --------------------------------------
