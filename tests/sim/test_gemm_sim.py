@@ -28,6 +28,7 @@ from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from pynanoqwen.quant import dequantize_int4
+from wgmma_probe import check_one_wgmma
 
 assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_simulator.py)"
 
@@ -176,3 +177,10 @@ def test_mma_and_ldmatrix_twins_in_a_simulated_warp():
     product_through_fragments[1, 32](a.view(np.uint32).ravel(), b.view(np.uint32).ravel(), d)
     expected = (a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
     assert np.array_equal(d, expected)
+
+
+@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("step", [0, 3])
+def test_wgmma_twin_in_a_simulated_warpgroup(n, step):
+    """The same one-wgmma check tests/test_ptx_wgmma_gpu.py runs on the GPU (wgmma_probe.py)."""
+    check_one_wgmma(n, step)
