@@ -396,21 +396,23 @@ def _weights(n: int, k: int, qweight, scales):
     return q, s
 
 
-def allow_dynamic_shared(kernel, signature, nbytes: int) -> None:
-    """Compile `kernel` for `signature` (if not yet) and let it take `nbytes` of dynamic shared
-    memory: beyond 48 KiB a launch fails unless the function's limit is raised first
-    (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+_shared_limits_raised: set = set()  # (kernel, output dtype) whose limit is already raised
+
+
+def allow_dynamic_shared(kernel, out_dtype, nbytes: int) -> None:
+    """Compile `kernel` for its `out_dtype` signature (if not yet) and let it take `nbytes` of
+    dynamic shared memory: beyond 48 KiB a launch fails unless the function's limit is raised
+    first (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). Once per kernel build; a kernel is
+    built for one tile, so nbytes is the same at every call."""
     from numba.cuda.cudadrv.driver import binding, driver
 
-    key = (kernel, str(signature), nbytes)
-    if key not in _shared_limits_raised:
-        function = kernel.compile(signature)._codelibrary.get_cufunc()
-        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
-        _shared_limits_raised.add(key)
-
-
-_shared_limits_raised: set = set()
+    if (kernel, out_dtype) in _shared_limits_raised:
+        return
+    signature = _signature(types.float16 if out_dtype == np.float16 else types.float32)
+    function = kernel.compile(signature)._codelibrary.get_cufunc()
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
+    _shared_limits_raised.add((kernel, out_dtype))
 
 
 class _Launcher:
@@ -436,8 +438,7 @@ class _Launcher:
         grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices), tiles.splits)
         shared = tiles.dynamic_shared_bytes
         if shared > STATIC_SHARED_BYTES:
-            allow_dynamic_shared(kernel, _signature(types.float16 if out.dtype == np.float16 else types.float32),
-                                 shared)
+            allow_dynamic_shared(kernel, out.dtype, shared)
         kernel[grid, tiles.threads, stream, shared](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
                                                     out.reshape(out.size))
 
@@ -517,8 +518,7 @@ def compile_targets() -> list[CompileTarget]:
     """Every 7B linear with the epilogue and tile prefill uses there, the smaller tiles at one 7B
     shape each, and a tiny shape with float16 output."""
     hidden, intermediate, qkv = 3584, 18944, 4608
-    must = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "cp.async.cg.shared.global",
-            "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
+    feed = ("cp.async.cg.shared.global", "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
     targets = []
     for name, n, k, epilogue, tiles, out in (
             ("qkv", qkv, hidden, "bias", LARGE, types.float32),
@@ -526,14 +526,7 @@ def compile_targets() -> list[CompileTarget]:
             ("gate_up", intermediate, hidden, "gate_up_silu", LARGE, types.float16),
             ("down_proj", hidden, intermediate, "residual", LARGE, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", SMALL, types.float16),
-            ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16)):
-        label = TILE_NAMES[tiles]
-        targets.append(CompileTarget(f"gemm_int4_{epilogue}_{label}[{name} {n}x{k}]",
-                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must))
-    wgmma_must = ("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "wgmma.fence.sync.aligned",
-                  "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned", "fence.proxy.async.shared::cta",
-                  "cp.async.cg.shared.global", "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
-    for name, n, k, epilogue, tiles, out in (
+            ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T128, types.float32),
             ("o_proj", hidden, hidden, "residual", WG2_T128, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG1_T128, types.float16),
@@ -542,7 +535,14 @@ def compile_targets() -> list[CompileTarget]:
             ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
             ("tiny, float16 out", 256, 256, "plain", WG1_T64, types.float16)):
-        must = wgmma_must if tiles.tokens >= 128 else tuple(i.replace("n128", f"n{tiles.tokens}") for i in wgmma_must)
+        if isinstance(tiles, WgmmaTile):  # sm_90a; a 256-token tile issues n128 wgmmas
+            width = min(tiles.tokens, 128)
+            must = (f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.f16.f16", "wgmma.fence.sync.aligned",
+                    "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned",
+                    "fence.proxy.async.shared::cta") + feed
+            cc = (9, 0, "a")
+        else:
+            must, cc = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",) + feed, (9, 0)
         targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
-                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must, cc=(9, 0, "a")))
+                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must, cc=cc))
     return targets

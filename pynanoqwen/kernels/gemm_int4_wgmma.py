@@ -79,6 +79,7 @@ X_ROW_WORDS = K_TILE // 2  # words of one token's k slab in a stage (128 bytes)
 W_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (32 bytes)
 TILES_PER_GROUP = GROUP_SIZE // K_TILE  # 2: the k loop is unrolled by this
 ROWS_PER_WARPGROUP = 64
+TOKEN_TILES = SHAPES_N + (256,)  # 256 tokens: two n128 wgmmas per k step
 SHARED_LIMIT = 227 * 1024  # a block's dynamic shared memory on sm_90 (after cudaFuncSetAttribute)
 
 
@@ -113,9 +114,9 @@ class WgmmaTile:
         return self.stages * self.stage_bytes + SWIZZLE_ATOM_BYTES  # + slack to align the ring
 
     def check(self, matrices: int) -> None:
-        if self.tokens not in SHAPES_N or self.warpgroups not in (1, 2) or not 3 <= self.stages \
+        if self.tokens not in TOKEN_TILES or self.warpgroups not in (1, 2) or not 3 <= self.stages \
                 or self.dynamic_shared_bytes > SHARED_LIMIT or self.splits < 1 or matrices not in (1, 2):
-            raise ValueError(f"{self}: wgmma widths are {SHAPES_N}, 1 or 2 warpgroups, >= 3 stages within "
+            raise ValueError(f"{self}: token tiles are {TOKEN_TILES}, 1 or 2 warpgroups, >= 3 stages within "
                              f"{SHARED_LIMIT} bytes of shared memory")
 
     def fits(self, n: int, k: int, matrices: int) -> bool:
@@ -144,7 +145,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
     if SPLITS > 1 and epilogue != "residual":
         raise ValueError(f"split-K ({SPLITS} splits) adds partial products into `out`: residual epilogue only")
     ATOM_WORDS = SWIZZLE_ATOM_BYTES // 4
-    WIDTH = min(TOKENS, 128)  # wgmma n: a 256-token tile issues two n128 wgmmas (two accumulator
+    WIDTH = min(TOKENS, SHAPES_N[-1])  # wgmma n: a 256-token tile issues two n128 wgmmas (two accumulator
     HALVES = TOKENS // WIDTH  # arrays: LLVM keeps a 128-float local array in memory, 64 in registers)
     ACCUMULATORS = WIDTH // 2
     HALF_WORDS = WIDTH // 8 * ATOM_WORDS  # B words of WIDTH token rows

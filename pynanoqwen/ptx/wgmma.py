@@ -69,7 +69,8 @@ SWIZZLE_ATOM_BYTES = 1024  # 8 rows of 128 bytes: the 128-byte swizzle pattern r
 ROW_BYTES = 128  # one row's 64-wide FP16 k slab
 K_STEP_WORDS = 8  # 16 FP16 of k: how far `index` moves per wgmma k step
 WARPGROUP = 128
-SHAPES_N = (64, 128, 256)  # the wgmma widths the GEMM uses (any multiple of 8 up to 256 is legal)
+SHAPES_N = (64, 128)  # the wgmma widths the GEMM issues (PTX allows any multiple of 8 up to 256, but
+# LLVM keeps a local array of more than 64 accumulators in memory, so 256 tokens are two n128 wgmmas)
 
 
 # --- Simulator twins --------------------------------------------------------------------------
