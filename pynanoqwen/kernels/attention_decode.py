@@ -69,21 +69,25 @@ from ..ptx.bulk_copy import BULK_COPY_ALIGNMENT, bulk_copy_to_shared
 from ..ptx.half2 import half2_to_float2
 from ..ptx.mbarrier import (fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx,
                             mbarrier_init, mbarrier_wait)
-from ..ptx.warp import warp_sum
+from ..launch import launch, multiprocessor_count
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
+from ..ptx.warp import warp_max, warp_sum
 from . import CompileTarget
 
 PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
-SM_COUNT = 132  # H100 / H200 SXM: the default num_splits fills every SM with one block
 STAGES = 4  # default ring depth: 4 x 8 KiB in flight per SM at head_dim 128
+MIN_PAGES_PER_SPLIT = 1  # a split's pages at short contexts (fewer splits, fewer partials to merge)
+MERGE_UNROLL = 4  # split partials whose loads the merge keeps in flight together
 
 
-def default_num_splits(num_kv_heads: int) -> int:
-    """Splits per KV head so that the grid has about one block per SM."""
-    return max(1, SM_COUNT // num_kv_heads)
+def default_num_splits(num_kv_heads: int, sm_count: int | None = None) -> int:
+    """Splits per KV head so that the grid has about one block per SM (of this GPU, by default)."""
+    return max(1, (multiprocessor_count() if sm_count is None else sm_count) // num_kv_heads)
 
 
 def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,
-                          num_splits: int | None = None, stages: int = STAGES) -> "DecodeAttention":
+                          num_splits: int | None = None, stages: int = STAGES,
+                          min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> "DecodeAttention":
     """Build the decode-attention kernel for one model's attention shape (dims become constants)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
@@ -96,10 +100,10 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
     if min(num_splits, max_pages, stages) < 1:
         raise ConfigError(f"num_splits ({num_splits}), max_pages ({max_pages}) and stages ({stages}) "
                           f"must be positive")
-    return DecodeAttention(num_heads, num_kv_heads, head_dim, max_pages, num_splits, stages)
+    return DecodeAttention(num_heads, num_kv_heads, head_dim, max_pages, num_splits, stages, min_pages_per_split)
 
 
-def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages):
+def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, min_pages_per_split):
     GROUP = num_heads // num_kv_heads  # query heads per KV head = consumer warps per block
     PRODUCER_WARP = GROUP
     CONSUMER_THREADS = 32 * GROUP
@@ -128,18 +132,20 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages):
         warp = cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
 
-        context = pos[0] + 1
-        pages_used = (context + PAGE_SIZE - 1) // PAGE_SIZE
-        pages_per_split = (pages_used + NUM_SPLITS - 1) // NUM_SPLITS
-        first_page = split * pages_per_split
-        num_pages = max(0, min(pages_used - first_page, pages_per_split))
-
         if cuda.threadIdx.x == 0:
             for stage in range(STAGES):
                 mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
                 mbarrier_init(empty, stage, CONSUMER_THREADS)
             fence_barrier_init()
+        launch_dependents()
+        grid_dependency_wait()  # q and this position's K/V come from the kernel before (launch.py)
         cuda.syncthreads()
+
+        context = pos[0] + 1
+        pages_used = (context + PAGE_SIZE - 1) // PAGE_SIZE
+        pages_per_split = max((pages_used + NUM_SPLITS - 1) // NUM_SPLITS, min_pages_per_split)
+        first_page = split * pages_per_split
+        num_pages = max(0, min(pages_used - first_page, pages_per_split))
 
         if warp == PRODUCER_WARP:
             if lane == 0:
@@ -220,21 +226,35 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages):
         if cuda.threadIdx.x == 0:
             arrivals[kv_head] = 0  # every block of this launch has counted; ready for the next
 
+        # Merge: the splits' maxima and sums are spread over the lanes (lane s takes splits s,
+        # s + 32, ...), so their loads are in flight together; the accumulators are read
+        # MERGE_UNROLL splits at a time for the same reason (a loop that used each load at once
+        # waited one L2 round trip per split: ~6 us of the 12 us a layer took at 577 positions).
         head = kv_head * GROUP + warp
         active_splits = (pages_used + pages_per_split - 1) // pages_per_split
         merged_max = NEG_INF
-        for s in range(active_splits):
+        for s in range(lane, active_splits, 32):
             merged_max = max(merged_max, part_max[head, s])
+        merged_max = warp_max(merged_max)
         merged_sum = ZERO
+        for s in range(lane, active_splits, 32):
+            merged_sum += part_sum[head, s] * math.exp2(part_max[head, s] - merged_max)
+        merged_sum = warp_sum(merged_sum)
         merged = cuda.local.array(DIMS_PER_LANE, types.float32)
+        weights = cuda.local.array(MERGE_UNROLL, types.float32)
+        parts = cuda.local.array((MERGE_UNROLL, DIMS_PER_LANE), types.float32)
         for d in range(DIMS_PER_LANE):
             merged[d] = ZERO
-        for s in range(active_splits):
-            weight = math.exp2(part_max[head, s] - merged_max)
-            merged_sum += part_sum[head, s] * weight
-            for c in range(CHUNKS):
-                for e in range(2):
-                    merged[2 * c + e] += part_acc[head, s, 64 * c + 2 * lane + e] * weight
+        for first in range(0, active_splits, MERGE_UNROLL):
+            for u in range(MERGE_UNROLL):
+                s = min(first + u, active_splits - 1)  # past the end: re-read the last split, weight 0
+                weights[u] = math.exp2(part_max[head, s] - merged_max) if first + u < active_splits else ZERO
+                for c in range(CHUNKS):
+                    for e in range(2):
+                        parts[u, 2 * c + e] = part_acc[head, s, 64 * c + 2 * lane + e]
+            for u in range(MERGE_UNROLL):
+                for d in range(DIMS_PER_LANE):
+                    merged[d] += parts[u, d] * weights[u]
         for c in range(CHUNKS):
             for e in range(2):
                 out[head * HEAD_DIM + 64 * c + 2 * lane + e] = merged[2 * c + e] / merged_sum
@@ -246,10 +266,10 @@ class DecodeAttention:
     """The decode-attention kernel for one attention shape, with its split workspace."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int,
-                 num_splits: int, stages: int):
+                 num_splits: int, stages: int, min_pages_per_split: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_pages, self.num_splits, self.stages = max_pages, num_splits, stages
-        self.kernel = _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages)
+        self.kernel = _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, min_pages_per_split)
         self.grid = (num_kv_heads, num_splits)
         self.block = 32 * (num_heads // num_kv_heads + 1)
         self.part_max = cuda.device_array((num_heads, num_splits), np.float32)
@@ -270,9 +290,9 @@ class DecodeAttention:
         for name, (shape, wanted) in expected.items():
             if shape != wanted:
                 raise ValueError(f"decode attention: {name} has shape {shape}, expected {wanted}")
-        self.kernel[self.grid, self.block, stream](q, k_pages, v_pages, page_table, pos, out,
-                                                   self.part_max, self.part_sum, self.part_acc,
-                                                   self.arrivals)
+        launch(self.kernel, self.grid, self.block, stream,
+               (q, k_pages, v_pages, page_table, pos, out, self.part_max, self.part_sum, self.part_acc,
+                self.arrivals))
 
 
 def compile_targets() -> list[CompileTarget]:
@@ -285,6 +305,7 @@ def compile_targets() -> list[CompileTarget]:
                     "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
                     "shfl.sync.bfly.b32", "ex2.approx.f32")
     return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits, {stages} stages]",
-                          _build_kernel(heads, kv_heads, head_dim, splits, stages), signature, must_contain)
-            for heads, kv_heads, head_dim, splits, stages in ((28, 4, 128, default_num_splits(4), STAGES),
+                          _build_kernel(heads, kv_heads, head_dim, splits, stages, MIN_PAGES_PER_SPLIT), signature,
+                          must_contain)
+            for heads, kv_heads, head_dim, splits, stages in ((28, 4, 128, default_num_splits(4, 132), STAGES),
                                                               (4, 2, 64, 3, 2))]
