@@ -22,6 +22,7 @@ is the one place the SM count comes from: it is read from the device, never assu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from cuda.core import LaunchConfig
@@ -30,6 +31,20 @@ from numba import cuda
 from numba.cuda.cudadrv import driver
 
 from .ptx import SIMULATOR
+
+_programmatic = [True]  # plain_launches() turns PDL off for a comparison (bench)
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Inside this block every launch() is a plain stream-ordered launch (no PDL): what bench
+    compares the programmatic decode step against. Graphs captured inside keep plain edges."""
+    _programmatic[0] = False
+    try:
+        yield
+    finally:
+        _programmatic[0] = True
+
 
 SIMULATED_SM_COUNT = 2  # what the CUDA simulator reports: small grids, so its tests stay fast
 
@@ -53,7 +68,7 @@ def _specialization(dispatcher, args):
 def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, dependent: bool = True) -> None:
     """Launch `dispatcher` (a `cuda.jit` kernel) on `stream`; with `dependent`, as a programmatic
     dependent of the previous launch on the stream (the kernel must call grid_dependency_wait)."""
-    if SIMULATOR or not dependent:
+    if SIMULATOR or not dependent or not _programmatic[0]:
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
     kernel = _specialization(dispatcher, args)
