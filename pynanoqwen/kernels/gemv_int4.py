@@ -32,11 +32,13 @@ row r (epilogue). Slots are separate local arrays named at compile time (depth <
 in registers.
 
 Programmatic dependent launch (ptx/griddep.py, launch.py): the weights do not depend on the kernel
-before this one, so every lane issues its first `depth` items' loads, the block signals
-launch_dependents, and only then waits (grid_dependency_wait) for the activations. The loads are in
-flight while the previous kernel's tail drains.
+before this one, so every lane issues its first `depth` items' loads before it waits
+(grid_dependency_wait) for the activations: the loads are in flight while the previous kernel's
+tail drains. A thread signals launch_dependents once it has issued its last load, so the next
+kernel starts requesting its own weights while this one finishes.
 
-Activations live in shared memory, staged once per block. prmt path: chunk c's 16 half2 words sit
+Activations live in shared memory, staged once per block with every copy in flight at once
+(cp.async; with a fused norm, all of h's loads first): one L2 round trip. prmt path: chunk c's 16 half2 words sit
 at xs[20 c .. 20 c + 15] (64 bytes used of 80), read as four `ld.shared.v4`: a quarter-warp's 8
 lanes read 8 chunks 80 bytes apart, which fall in 8 disjoint groups of 4 banks (no conflict; a
 64-byte stride would put 4 lanes on one bank group). dp4a path: the quantizer writes the INT8
@@ -88,7 +90,7 @@ from ..ptx.dp4a import dp4a
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
-from ..ptx.mma import SHARED_ALIGNMENT, ld_shared_v4_u32
+from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
 from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
 from . import CompileTarget, on_device
@@ -119,8 +121,13 @@ class GemvPlan:
             raise ValueError(f"{self}: depth 1..{MAX_DEPTH}, warps 1..32, blocks_per_sm >= 1")
 
     def grid(self, n: int, sm_count: int) -> int:
-        """Blocks of the persistent grid: enough for one tile per warp, at most blocks_per_sm per SM."""
-        return max(1, min(-(-(n // self.rows) // self.warps), self.blocks_per_sm * sm_count))
+        """Blocks of the persistent grid. Each warp computes `rounds` tiles (or one fewer), the
+        fewest that at most blocks_per_sm blocks per SM allow; the grid is then as small as that
+        leaves it, so no warp has a whole extra tile to do while others idle (3584 down_proj rows
+        on 2112 warps took 2 rounds on 1472 of them and 1 on the rest)."""
+        tiles = n // self.rows
+        rounds = -(-tiles // (self.blocks_per_sm * sm_count * self.warps))
+        return max(1, -(-(-(-tiles // rounds)) // self.warps))
 
 
 def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
@@ -191,35 +198,47 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
 
     @cuda.jit(device=True, inline="always")
     def stage_x(activations, xs):
+        # cp.async, all copies of this thread in flight together: the block waits one L2 round
+        # trip for x, not one per loop iteration (a load-then-store loop staged the 37 KiB x of
+        # down_proj in ~10 us on the H200).
         x_pairs = activations[0]
         q = U(cuda.threadIdx.x)
         while q < quads:
-            at = quad_slot(q)
-            xs[at], xs[at + U(1)], xs[at + U(2)], xs[at + U(3)] = ld_global_nc_v4_u32(x_pairs, U(4) * q)
+            cp_async_16(xs, quad_slot(q), x_pairs, U(4) * q, U(16))
             q += U(threads)
+        cp_async_commit_group()
+        cp_async_wait_group(0)
         cuda.syncthreads()
 
     inv_k = np.float32(1.0 / k)
     eps = np.float32(0.0 if norm_eps is None else norm_eps)
 
-    @cuda.jit(device=True, inline="always")
-    def normed_pair(h, i, scale, weight_pair):
-        """The half2 (xn[i], xn[i+1]), xn = float16(h * scale * weight) exactly as kernels/rmsnorm.py."""
-        w0, w1 = half2_to_float2(weight_pair)
-        return float2_to_half2(h[i] * scale * w0, h[i + U(1)] * scale * w1)
+    quads_per_thread = -(-(k // 8) // threads)
+    values_per_thread, weight_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
 
     @cuda.jit(device=True, inline="always")
     def stage_normed(activations, xs):
         # The RMSNorm that used to be its own kernel: every block sums h^2 itself (K float32 from
         # L2), then writes xn = h * rsqrt(mean h^2 + eps) * weight into the same layout as stage_x.
+        # Each thread loads all of its quads of h and of the weight first (one L2 round trip),
+        # keeps them in registers across the block reduction, then converts and stores them.
         h, weight_pairs = activations
         warp_totals = cuda.shared.array(32, float32)
         t = U(cuda.threadIdx.x)
+        values = cuda.local.array(values_per_thread, float32)
+        weights = cuda.local.array(weight_words_per_thread, uint32)
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                for e in range(8):
+                    values[8 * j + e] = h[U(8) * q + U(e)]
+                weights[4 * j], weights[4 * j + 1], weights[4 * j + 2], weights[4 * j + 3] = \
+                    ld_global_nc_v4_u32(weight_pairs, U(4) * q)
         total = float32(0)
-        i = t
-        while i < U(k):
-            total += h[i] * h[i]
-            i += U(threads)
+        for j in range(quads_per_thread):
+            if t + U(j * threads) < quads:
+                for e in range(8):
+                    total += values[8 * j + e] * values[8 * j + e]
         total = warp_sum(total)
         if t % U(32) == U(0):
             warp_totals[t // U(32)] = total
@@ -228,15 +247,14 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
         for w in range(warps):
             total += warp_totals[w]
         scale = float32(1) / math.sqrt(total * inv_k + eps)
-        q = t
-        while q < quads:  # quad q = inputs 8q .. 8q+7
-            w0, w1, w2, w3 = ld_global_nc_v4_u32(weight_pairs, U(4) * q)
-            at = quad_slot(q)
-            xs[at] = normed_pair(h, U(8) * q, scale, w0)
-            xs[at + U(1)] = normed_pair(h, U(8) * q + U(2), scale, w1)
-            xs[at + U(2)] = normed_pair(h, U(8) * q + U(4), scale, w2)
-            xs[at + U(3)] = normed_pair(h, U(8) * q + U(6), scale, w3)
-            q += U(threads)
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                at = quad_slot(q)
+                for e in range(4):
+                    w0, w1 = half2_to_float2(weights[4 * j + e])
+                    xs[at + U(e)] = float2_to_half2(values[8 * j + 2 * e] * scale * w0,
+                                                    values[8 * j + 2 * e + 1] * scale * w1)
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline="always")
@@ -267,9 +285,10 @@ def _dp4a_path(k: int, rows: int, threads: int) -> _Path:
         xq = activations[0]
         q = U(cuda.threadIdx.x)
         while q < quads:  # the quantizer wrote xq in the order the GEMV reads it: a plain copy
-            xs[U(4) * q], xs[U(4) * q + U(1)], xs[U(4) * q + U(2)], xs[U(4) * q + U(3)] = \
-                ld_global_nc_v4_u32(xq, U(4) * q)
+            cp_async_16(xs, U(4) * q, xq, U(4) * q, U(16))
             q += U(threads)
+        cp_async_commit_group()
+        cp_async_wait_group(0)
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline="always")
@@ -404,12 +423,12 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
             load(q0, s0, q1, s1, warp, lane, U(2), items, words2, scl2)
         if depth >= 4:
             load(q0, s0, q1, s1, warp, lane, U(3), items, words3, scl3)
-        launch_dependents()
         grid_dependency_wait()
         stage(activations, xs)
         for i in range(slot_scales):
             acc[i] = float32(0)
         item = U(0)
+        triggered = False
         while item < items:
             compute(warp, lane, item, items, words0, scl0, activations, xs, xv, acc, bias_values, out)
             load(q0, s0, q1, s1, warp, lane, item + U(depth), items, words0, scl0)
@@ -423,6 +442,14 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
                 compute(warp, lane, item + U(3), items, words3, scl3, activations, xs, xv, acc, bias_values, out)
                 load(q0, s0, q1, s1, warp, lane, item + U(depth + 3), items, words3, scl3)
             item += U(depth)
+            if not triggered and item + U(depth) >= items:
+                # This thread has issued its last load: the next kernel may start and request its
+                # weights while this block finishes (a trigger at the start put the next kernel's
+                # blocks beside this one's for its whole run, which measured slower).
+                launch_dependents()
+                triggered = True
+        if not triggered:
+            launch_dependents()
 
     return gemv_int4
 
