@@ -65,13 +65,35 @@ def _specialization(dispatcher, args):
     return kernel if kernel is not None else dispatcher.compile(types)
 
 
+STATIC_SHARED_BYTES = 48 * 1024  # dynamic shared memory beyond this needs the function's limit raised
+_raised_limits: set = set()  # compiled kernels whose dynamic shared-memory limit is raised already
+
+
+def _allow_dynamic_shared(kernel, nbytes: int) -> None:
+    """Let a compiled kernel take `nbytes` of dynamic shared memory
+    (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES); once per kernel, as every launch of one
+    build asks for the same amount."""
+    if kernel in _raised_limits:
+        return
+    function = kernel._codelibrary.get_cufunc()
+    attribute = driver.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
+    _raised_limits.add(kernel)
+
+
 def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, dependent: bool = True) -> None:
-    """Launch `dispatcher` (a `cuda.jit` kernel) on `stream`; with `dependent`, as a programmatic
-    dependent of the previous launch on the stream (the kernel must call grid_dependency_wait)."""
-    if SIMULATOR or not dependent or not _programmatic[0]:
+    """Launch `dispatcher` (a `cuda.jit` kernel) on `stream` with `shared_bytes` of dynamic shared
+    memory; with `dependent`, as a programmatic dependent of the previous launch on the stream
+    (the kernel must call grid_dependency_wait)."""
+    if SIMULATOR:
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
     kernel = _specialization(dispatcher, args)
+    if shared_bytes > STATIC_SHARED_BYTES:
+        _allow_dynamic_shared(kernel, shared_bytes)
+    if not dependent or not _programmatic[0]:
+        dispatcher[grid, block, stream, shared_bytes](*args)
+        return
     core_stream = driver._to_core_stream(stream)
     parameters: list = []
     write_backs: list = []
