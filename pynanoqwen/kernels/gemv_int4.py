@@ -51,6 +51,12 @@ At the H200's ~4.3 TB/s that is, for the 7B shapes: qkv 4608x3584 8.5 MB 2.0 us,
 lm_head 152064x3584 281 MB 65 us; per decode step (28 layers + lm_head) 3.65 GB, 0.85 ms. What
 each shape reaches, standalone and in the decode step: docs/PERFORMANCE.md.
 
+Fused RoPE and KV write (the decode step's QKV, `rope_heads=`, `launch_rope`): tile t is the row
+pair (d, d + head_dim/2) of one head instead of two consecutive rows, so the warp that finishes it
+holds both elements RoPE rotates together; lane 0 adds the bias, rotates a q pair into q, a k
+pair into the position's KV-page slot (float16), and copies a v pair there (kernels/rope_kv_write.py
+does the same for prefill rows). One launch and one kernel boundary per layer fewer.
+
 Fused RMSNorm (prmt path): built with norm_weight / norm_eps, the kernel takes the float32
 residual stream h instead of x and stages xn = float16(h * rsqrt(mean h^2 + eps) * weight), the
 same float32 expression as kernels/rmsnorm.py: each block sums h^2 over all K (from L2, while its
@@ -94,6 +100,7 @@ from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_a
 from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
 from . import CompileTarget, on_device
+from .page_alloc import PAGE_SIZE
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
@@ -128,6 +135,9 @@ class GemvPlan:
         tiles = n // self.rows
         rounds = -(-tiles // (self.blocks_per_sm * sm_count * self.warps))
         return max(1, -(-(-(-tiles // rounds)) // self.warps))
+
+
+ROPE_PLAN = GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=1)  # QKV with RoPE: row pairs (d, d + head_dim/2)
 
 
 def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
@@ -317,17 +327,21 @@ def _path(path: str, k: int, rows: int, threads: int, norm_eps: float | None = N
     return _prmt_path(k, rows, threads, norm_eps) if path == "prmt" else _dp4a_path(k, rows, threads)
 
 
-EPILOGUES = ("store", "bias", "residual", "silu")  # out = Wx; out = Wx + b; out += Wx; out = silu(Wg x) Wu x
+# out = Wx; out = Wx + b; out += Wx; out = silu(Wg x) Wu x; and "rope": the QKV projection's
+# bias, RoPE and KV-cache write (module docstring), out = (q, k_pages, v_pages, page_table, pos,
+# rope_cos, rope_sin).
+EPILOGUES = ("store", "bias", "residual", "silu", "rope")
 
 
 @functools.cache
 def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: int, epilogue: str,
-                norm_eps: float | None = None):
+                norm_eps: float | None = None, heads: tuple[int, int, int] | None = None):
     """gemv_int4(q0, s0, q1, s1, activations, bias, out) for one shape, path, plan, grid and epilogue.
 
     q/s are flat qweight uint32 [N*K/8] and scales float16 [N*K/128] of matrix 0 (and 1 for
-    gate/up; pass matrix 0 again otherwise); `bias` (float16 [N]) is read only by the bias
-    epilogue (pass any float16 array otherwise); out is float32 or float16 [N].
+    gate/up; pass matrix 0 again otherwise); `bias` (float16 [N]) is read by the bias and rope
+    epilogues (pass any float16 array otherwise); out is float32 or float16 [N], or for "rope"
+    (heads = (num_heads, num_kv_heads, head_dim), rows = 2) the tuple of RopeOutputs.
     """
     rows, depth, warps = plan.rows, plan.depth, plan.warps
     threads = 32 * warps
@@ -341,7 +355,18 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
     slot_words = 4 * rows * matrices
     slot_scales = rows * matrices
     x_words = 16 if path == "prmt" else 8
-    silu, bias, residual = epilogue == "silu", epilogue == "bias", epilogue == "residual"
+    silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
+    num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
+    half = U(head_dim // 2)
+    k_start, v_start = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+
+    @cuda.jit(device=True, inline="always")
+    def row_of(tile, r):
+        """Row r of a tile: consecutive rows, or for rope the pair (d, d + head_dim/2) of one head,
+        so that one warp holds both elements RoPE rotates together."""
+        if rope:
+            return (tile // half) * U(head_dim) + tile % half + U(r) * half
+        return tile * U(rows) + U(r)
 
     @cuda.jit(device=True, inline="always")
     def load(q0, s0, q1, s1, warp, lane, item, items, words, scl):
@@ -350,16 +375,48 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
             tile = item // steps
             c = lane + U(32) * (item - tile * steps)
             if c < chunks:
-                row0 = (warp + tile * total_warps) * U(rows)
                 for r in range(rows):
-                    at = (row0 + U(r)) * words_per_row + U(4) * c
-                    scale_at = (row0 + U(r)) * groups + c // U(CHUNKS_PER_GROUP)
+                    row = row_of(warp + tile * total_warps, r)
+                    at = row * words_per_row + U(4) * c
+                    scale_at = row * groups + c // U(CHUNKS_PER_GROUP)
                     words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = ld_global_nc_v4_u32(q0, at)
                     scl[r] = s0[scale_at]
                     if matrices == 2:
                         b = 4 * (rows + r)
                         words[b], words[b + 1], words[b + 2], words[b + 3] = ld_global_nc_v4_u32(q1, at)
                         scl[rows + r] = s1[scale_at]
+
+    @cuda.jit(device=True, inline="always")
+    def finish_rope(tile, lane, acc, bias_values, out):
+        """The QKV tile (d, d + half) of one head: + bias, then a q head is rotated into q, a k head
+        rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math)."""
+        x1 = warp_sum(acc[0])
+        x2 = warp_sum(acc[1])
+        if lane == U(0):
+            q_out, k_pages, v_pages, page_table, pos, rope_cos, rope_sin = out
+            first = row_of(tile, 0)
+            x1 += float32(bias_values[first])
+            x2 += float32(bias_values[first + half])
+            head = first // U(head_dim)
+            d = first % U(head_dim)
+            p = pos[0]
+            page, slot = page_table[p // PAGE_SIZE], p % PAGE_SIZE
+            if first < U(v_start):
+                c, sn = rope_cos[p, d], rope_sin[p, d]
+                y1, y2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+                if first < U(k_start):
+                    q_out[first] = y1
+                    q_out[first + half] = y2
+                else:
+                    kv = head - U(num_heads)
+                    k_pages[page, kv, slot, d] = y1
+                    k_pages[page, kv, slot, d + half] = y2
+            else:
+                kv = head - U(num_heads + num_kv_heads)
+                v_pages[page, kv, slot, d] = x1
+                v_pages[page, kv, slot, d + half] = x2
+        for i in range(slot_scales):
+            acc[i] = float32(0)
 
     @cuda.jit(device=True, inline="always")
     def finish(row0, lane, acc, bias_values, out):
@@ -395,7 +452,10 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
                 if matrices == 2:
                     multiply(words, 4 * rows, scl, rows, c, activations, xv, acc, rows)
             if step == steps - U(1):
-                finish((warp + tile * total_warps) * U(rows), lane, acc, bias_values, out)
+                if rope:
+                    finish_rope(warp + tile * total_warps, lane, acc, bias_values, out)
+                else:
+                    finish((warp + tile * total_warps) * U(rows), lane, acc, bias_values, out)
 
     # The launch bound caps registers so that blocks_per_sm blocks fit (the simulator has no such option).
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, plan.blocks_per_sm)}))
@@ -515,11 +575,18 @@ class Int4Gemv:
     """out = W x (+ bias), or out += W x, for one INT4 linear; built by make_gemv_int4."""
 
     def __init__(self, n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                 plan=None, norm_weight=None, norm_eps=None):
+                 plan=None, norm_weight=None, norm_eps=None, rope_heads=None):
+        if rope_heads is not None:
+            num_heads, num_kv_heads, head_dim = rope_heads
+            plan = ROPE_PLAN if plan is None else plan
+            if plan.rows != 2 or n != (num_heads + 2 * num_kv_heads) * head_dim or bias is None or head_dim % 2:
+                raise ValueError(f"a QKV GEMV with RoPE needs rows=2 (got {plan.rows}), N = (heads + 2 kv heads) "
+                                 f"x head_dim (got {n} for {rope_heads}) and a bias")
         plan = default_plan(n, k) if plan is None else plan
         _check(path, n, k, qweight, scales, plan)
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
+        self.rope_heads = None if rope_heads is None else tuple(rope_heads)
         self._input = GemvInput(path, n, k, plan, norm_weight, norm_eps)
         self.n, self.k, self.path, self.plan, self.out_dtype = n, k, path, plan, out_dtype
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
@@ -532,6 +599,9 @@ class Int4Gemv:
         """The compiled-on-first-use kernel this object launches."""
         if residual and self.out_dtype != "float32":
             raise ValueError("a residual GEMV accumulates into float32")
+        if self.rope_heads is not None:
+            return gemv_kernel(self.path, self.n, self.k, 1, self.plan, self._input.grid, "rope",
+                               self._input.kernel_norm_eps, self.rope_heads)
         epilogue = "residual" if residual else "bias" if self.bias is not None else "store"
         return gemv_kernel(self.path, self.n, self.k, 1, self.plan, self._input.grid, epilogue,
                            self._input.kernel_norm_eps)
@@ -539,11 +609,23 @@ class Int4Gemv:
     def launch(self, stream, x, out, *, residual: bool = False) -> None:
         """out[N] = W x (+ bias), or out[N] += W x when residual; x float16 [K] on the device
         (with a norm: x float32 h [K], and the GEMV reads RMSNorm(h) * norm_weight)."""
+        if self.rope_heads is not None:
+            raise ValueError("this QKV GEMV applies RoPE: use launch_rope")
         kernel = self.kernel(residual)
         activations = self._input.activations(stream, x)
         bias = self.scales if self.bias is None else self.bias  # any float16 array when unused
         launch(kernel, self._input.grid, 32 * self.plan.warps, stream,
                (self.qweight, self.scales, self.qweight, self.scales, activations, bias, out))
+
+    def launch_rope(self, stream, x, q, k_pages, v_pages, page_table, pos, rope_cos, rope_sin) -> None:
+        """The decode step's QKV projection (built with rope_heads): qkv = W x + bias for the token at
+        position pos[0], then q float32 [num_heads, head_dim] = RoPE(q part), and that position's
+        slot of k_pages (RoPE(k part)) and v_pages (v part), float16 [pages, kv heads, 16, head_dim],
+        through page_table; rope_cos/rope_sin as kernels/rope_kv_write.rope_cos_sin."""
+        activations = self._input.activations(stream, x)
+        out = (q.reshape(q.size), k_pages, v_pages, page_table, pos, rope_cos, rope_sin)
+        launch(self.kernel(), self._input.grid, 32 * self.plan.warps, stream,
+               (self.qweight, self.scales, self.qweight, self.scales, activations, self.bias, out))
 
 
 class GateUpSilu:
@@ -574,11 +656,13 @@ class GateUpSilu:
 
 
 def make_gemv_int4(n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                   plan=None, norm_weight=None, norm_eps=None) -> Int4Gemv:
+                   plan=None, norm_weight=None, norm_eps=None, rope_heads=None) -> Int4Gemv:
     """An INT4 GEMV for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128]); with
-    norm_weight (float16 [k]) and norm_eps it reads RMSNorm(h) * norm_weight of a float32 h."""
+    norm_weight (float16 [k]) and norm_eps it reads RMSNorm(h) * norm_weight of a float32 h; with
+    rope_heads = (num_heads, num_kv_heads, head_dim) it is the QKV projection whose epilogue
+    applies the bias, RoPE and the KV-cache write (launch_rope)."""
     return Int4Gemv(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, plan=plan,
-                    norm_weight=norm_weight, norm_eps=norm_eps)
+                    norm_weight=norm_weight, norm_eps=norm_eps, rope_heads=rope_heads)
 
 
 def make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", plan=None,
@@ -628,6 +712,18 @@ def compile_targets() -> list[CompileTarget]:
             kernel = gemv_kernel(path, n, k, matrices, plan, plan.grid(n, COMPILE_SM_COUNT), epilogue)
             targets.append(CompileTarget(f"gemv_int4_{path}[{name} {n}x{k}, {plan}]", kernel,
                                          _signature(path, out=out), must))
+    # The decode step's QKV: fused norm, bias, RoPE and the KV write (both paths).
+    pages = types.float16[:, :, :, ::1]
+    rope_out = types.Tuple((types.float32[::1], pages, pages, types.int32[::1], types.int32[::1],
+                            types.float32[:, ::1], types.float32[:, ::1]))
+    flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
+    for path, activations, eps in (("prmt", types.Tuple((types.float32[::1], flat_u32)), 1e-6),
+                                   ("dp4a", types.Tuple((flat_u32, types.float32[::1], types.int32[::1])), None)):
+        kernel = gemv_kernel(path, qkv, hidden, 1, ROPE_PLAN, ROPE_PLAN.grid(qkv, COMPILE_SM_COUNT), "rope", eps,
+                             (28, 4, 128))
+        targets.append(CompileTarget(f"gemv_int4_{path}[qkv {qkv}x{hidden}, rope + KV write]", kernel,
+                                     types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16,
+                                                rope_out), ("griddepcontrol.wait", "cvt.rn.f16.f32")))
     # The prmt kernels that read RMSNorm(h) (the engine's qkv, gate-up and lm_head).
     must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "prmt.b32", "fma.rn.f16x2", "cvt.rn.f16x2.f32")
     for name, n, k, matrices, epilogue, out in (("qkv", qkv, hidden, 1, "bias", types.float32),

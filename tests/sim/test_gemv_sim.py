@@ -211,3 +211,53 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
     magnitude = np.abs(w) @ np.abs(xn)
     bound = (U16 + 8 * U32) * magnitude + 16 * U16 * (1 + U16) * magnitude + float32_bound(w, xn, k)
     assert np.all(np.abs(y - w @ xn) <= bound)
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_qkv_rope_kv_write(path):
+    """The QKV GEMV with the RoPE + KV-write epilogue against float64: W x + b, rotated by the float64
+    angles of the position (q into q, k into its page slot), v copied; every other slot untouched.
+
+    Bound per output: the GEMV's float32 bound for each of the pair's two rows (e1, e2), carried
+    through the rotation (|cos| e1 + |sin| e2 <= e1 + e2), the rotation's own float32 rounding
+    (16 u32 (|x1| + |x2|), as kernels/rope_kv_write's tests), and for K/V the FP16 store
+    (u16 |y| + 2^-25)."""
+    from pynanoqwen.kernels.page_alloc import PAGE_SIZE as PAGE
+    from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
+
+    rng = np.random.default_rng()
+    heads, kv_heads, hd, k, pages = 4, 2, 64, 256, 5
+    n = (heads + 2 * kv_heads) * hd
+    qweight, scales, w = random_linear(rng, n, k)
+    bias = rng.standard_normal(n).astype(np.float16)
+    x = exact_activations(rng, k)
+    position = int(rng.integers(0, pages * PAGE))
+    page_table = rng.permutation(pages).astype(np.int32)
+    cos, sin = rope_cos_sin(hd, 10000.0, pages * PAGE)
+    k_init = rng.standard_normal((pages, kv_heads, PAGE, hd)).astype(np.float16)
+    v_init = rng.standard_normal((pages, kv_heads, PAGE, hd)).astype(np.float16)
+    q, k_pages, v_pages = (cuda.to_device(a) for a in (np.full((heads, hd), np.nan, np.float32), k_init, v_init))
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rope_heads=(heads, kv_heads, hd),
+                          plan=GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1))
+    gemv.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, cuda.to_device(page_table),
+                     cuda.to_device(np.array([position], np.int32)), cuda.to_device(cos), cuda.to_device(sin))
+
+    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
+    qkv = (w @ x_used + bias).reshape(-1, hd)
+    error = (float32_bound(w, x_used, k) + U32 * np.abs(qkv.reshape(-1))).reshape(-1, hd)
+    half = hd // 2
+    angle = position * 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    x1, x2 = qkv[:, :half], qkv[:, half:]
+    rotated = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], 1)
+    rot_bound = np.tile(error[:, :half] + error[:, half:] + 16 * U32 * (np.abs(x1) + np.abs(x2)), 2)
+    page, slot = page_table[position // PAGE], position % PAGE
+    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    assert np.all(np.abs(q.copy_to_host() - rotated[:heads]) <= rot_bound[:heads])
+    k_rot = rotated[heads:heads + kv_heads]
+    assert np.all(np.abs(k_got[page, :, slot] - k_rot) <= rot_bound[heads:heads + kv_heads]
+                  + U16 * np.abs(k_rot) + 2.0**-25)
+    v = qkv[heads + kv_heads:]
+    assert np.all(np.abs(v_got[page, :, slot] - v) <= error[heads + kv_heads:] + U16 * np.abs(v) + 2.0**-25)
+    untouched = np.ones(k_init.shape[:3], bool)
+    untouched[page, :, slot] = False
+    assert np.array_equal(k_got[untouched], k_init[untouched]) and np.array_equal(v_got[untouched], v_init[untouched])
