@@ -23,22 +23,26 @@ from numba import cuda
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pynanoqwen.gpu_timing import copy_bandwidth, time_graph, weight_copies  # noqa: E402
-from pynanoqwen.kernels.gemv_int4 import GemvPlan, default_plan, gemv_bytes, make_gate_up_silu, make_gemv_int4  # noqa: E402
+from pynanoqwen.kernels.gemv_int4 import (ROPE_PLAN, GemvPlan, default_plan, gemv_bytes,  # noqa: E402
+                                          make_gate_up_silu, make_gemv_int4)
+from pynanoqwen.kernels.rope_kv_write import rope_cos_sin  # noqa: E402
 from pynanoqwen.launch import plain_launches  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
-SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
+SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rope"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "norm+silu"), ("down", HIDDEN, INTERMEDIATE, "residual"),
           ("lm_head", VOCAB, HIDDEN, "norm")]
 PLANS = {
-    "small": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(1, 4, 4, 4), GemvPlan(2, 4, 8, 1),
-              GemvPlan(1, 2, 8, 2), GemvPlan(4, 2, 4, 2), GemvPlan(1, 4, 8, 1)],
-    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 2, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 1, 8, 2),
-                GemvPlan(1, 4, 4, 4), GemvPlan(1, 3, 8, 2), GemvPlan(1, 4, 8, 1)],
-    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(1, 2, 8, 2), GemvPlan(4, 1, 8, 2),
-             GemvPlan(1, 4, 4, 4), GemvPlan(2, 4, 8, 1), GemvPlan(1, 4, 16, 1)],
-    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2), GemvPlan(1, 4, 8, 2), GemvPlan(4, 1, 8, 2)],
+    "small": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 1), GemvPlan(2, 4, 8, 2),
+              GemvPlan(4, 2, 8, 1), GemvPlan(1, 4, 8, 1)],
+    "qkv_rope": [GemvPlan(2, 4, 8, 1), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 2), GemvPlan(2, 2, 8, 1)],
+    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 1, 8, 2), GemvPlan(2, 2, 8, 1),
+                GemvPlan(1, 2, 8, 2)],
+    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(1, 4, 8, 4),
+             GemvPlan(2, 4, 8, 1), GemvPlan(4, 2, 8, 1)],
+    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(4, 2, 8, 1)],
 }
+HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
 
 
 def random_int4(rng, n, k):
@@ -53,8 +57,9 @@ def build(name, n, k, epilogue, plan, rng):
         if epilogue.startswith("norm") else {}
     if matrices == 2:
         return make_gate_up_silu(n, k, *weights[0], *weights[1], plan=plan, **norm)
-    bias = rng.standard_normal(n).astype(np.float16) if "bias" in epilogue else None
-    return make_gemv_int4(n, k, *weights[0], bias=bias, plan=plan, **norm)
+    bias = rng.standard_normal(n).astype(np.float16) if "bias" in epilogue or "rope" in epilogue else None
+    rope = {"rope_heads": HEADS} if "rope" in epilogue else {}
+    return make_gemv_int4(n, k, *weights[0], bias=bias, plan=plan, **norm, **rope)
 
 
 def time_plan(name, n, k, epilogue, plan, rng, stream) -> dict:
@@ -66,17 +71,26 @@ def time_plan(name, n, k, epilogue, plan, rng, stream) -> dict:
     out = cuda.to_device(np.zeros(n, np.float16 if matrices == 2 else np.float32))
     residual = {"residual": True} if epilogue == "residual" else {}
     calls = max(copies, 32)
+    if "rope" in epilogue:
+        heads, kv_heads, hd = HEADS
+        cos, sin = (cuda.to_device(t) for t in rope_cos_sin(hd, 1e6, 4096))
+        pages = [cuda.device_array((256, kv_heads, 16, hd), np.float16) for _ in range(2)]
+        rope_args = (cuda.device_array((heads, hd), np.float32), *pages,
+                     cuda.to_device(np.arange(256, dtype=np.int32)), cuda.to_device(np.array([1000], np.int32)), cos, sin)
 
     def enqueue():
         for c in range(calls):
-            gemvs[c % copies].launch(stream, x, out, **residual)
+            if "rope" in epilogue:
+                gemvs[c % copies].launch_rope(stream, x, *rope_args)
+            else:
+                gemvs[c % copies].launch(stream, x, out, **residual)
 
     programmatic = time_graph(stream, enqueue) / calls
     with plain_launches():
         plain = time_graph(stream, enqueue) / calls
     return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm],
             "grid": gemvs[0]._input.grid, "bytes": nbytes, "us": programmatic * 1e6, "plain_us": plain * 1e6,
-            "default": plan == default_plan(n, k, matrices)}
+            "default": plan == (ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices))}
 
 
 def main() -> None:
@@ -94,7 +108,7 @@ def main() -> None:
             continue
         matrices = 2 if name == "gate_up" else 1
         plans = list(PLANS["small" if name in ("qkv", "o_proj") else name])
-        if default_plan(n, k, matrices) not in plans:
+        if name != "qkv_rope" and default_plan(n, k, matrices) not in plans:
             plans.insert(0, default_plan(n, k, matrices))
         for plan in plans:
             row = time_plan(name, n, k, epilogue, plan, rng, stream)
