@@ -167,6 +167,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         full = cuda.shared.array(stages, types.uint64)  # stage holds its page's K and V
         empty = cuda.shared.array(stages, types.uint64)  # its consumer is done with the stage
         last_block = cuda.shared.array(1, types.int32)
+        pages_ahead = cuda.shared.array(32, types.int32)  # the producer's next 32 page-table entries
         words = cuda.shared.array(0, types.uint32)  # the K and V rings (dynamic shared memory)
         floats = cuda.shared.array(0, types.float32)  # the same memory: partials past the rings
 
@@ -195,6 +196,13 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
             ring = K_RING if lane < PAGE_SIZE else V_RING
             for i in range(num_pages):
                 stage = i % stages
+                if i % 32 == 0:
+                    # The next 32 page-table entries in one load per lane, through shared memory:
+                    # a load per page put an L2 round trip between every two pages' copies.
+                    entry = page_table[first_page + i + lane] if i + lane < num_pages else 0
+                    syncwarp()  # every lane has read the previous 32
+                    pages_ahead[lane] = entry
+                    syncwarp()
                 at = ring + stage * PAGE_WORDS + row * SMEM_ROW_WORDS
                 valid = min(PAGE_SIZE, context - (first_page + i) * PAGE_SIZE)  # rows inside the context
                 if lane == 0:
@@ -211,7 +219,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 if lane == 0:
                     mbarrier_arrive_expect_tx(full, stage, 2 * valid * ROW_BYTES)
                 if row < valid:
-                    page = page_table[first_page + i]
+                    page = pages_ahead[i % 32]
                     source = k_pages[page, kv_head, row] if lane < PAGE_SIZE else v_pages[page, kv_head, row]
                     bulk_copy_to_shared(words[at:at + ROW_WORDS], source, ROW_BYTES, full, stage)
         else:
@@ -242,18 +250,20 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
                 # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
                 for j in range(2):
-                    c0, c1 = ZERO, ZERO
+                    # The high and low parts of q accumulate in two chains (half the dependent mma
+                    # latency), summed at the end.
+                    c0, c1, d0, d1 = ZERO, ZERO, ZERO, ZERO
                     for kk2 in range(DIM_STEPS // 2):
                         b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
                                                      + 16 * kk2 + 4 * (lane // 8))
                         a = 4 * kk2
                         c0, c1, _, _ = mma_m16n8k16(q_hi[a], NONE, q_hi[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
-                        c0, c1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
+                        d0, d1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, d0, d1, ZERO, ZERO)
                         c0, c1, _, _ = mma_m16n8k16(q_hi[a + 2], NONE, q_hi[a + 3], NONE, b2, b3, c0, c1, ZERO,
                                                     ZERO)
-                        c0, c1, _, _ = mma_m16n8k16(q_lo[a + 2], NONE, q_lo[a + 3], NONE, b2, b3, c0, c1, ZERO,
+                        d0, d1, _, _ = mma_m16n8k16(q_lo[a + 2], NONE, q_lo[a + 3], NONE, b2, b3, d0, d1, ZERO,
                                                     ZERO)
-                    s[2 * j], s[2 * j + 1] = c0, c1
+                    s[2 * j], s[2 * j + 1] = c0 + d0, c1 + d1
                 # Keys past the context (the tail of the last page): scores -inf, weights 0; their
                 # K and V rows are zeros in shared memory (the producer never copies them).
                 valid = context - (first_page + i) * PAGE_SIZE

@@ -365,20 +365,33 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
         """Row r of a tile: consecutive rows, or for rope the pair (d, d + head_dim/2) of one head,
         so that one warp holds both elements RoPE rotates together."""
         if rope:
-            return (tile // half) * U(head_dim) + tile % half + U(r) * half
-        return tile * U(rows) + U(r)
+            return U(U(U(tile // half) * U(head_dim)) + U(tile % half) + U(U(r) * half))
+        return U(U(tile * U(rows)) + U(r))
+
+    # Index arithmetic. Numba widens every integer operation to 64 bits; each intermediate is
+    # wrapped in U() so that LLVM narrows it back to 32 (down_proj's loop was two thirds 64-bit
+    # adds, multiplies and a division by its 19 steps, and ran at half the speed of gate_up's).
+    # A slot's item is tracked as (tile of this warp, step in the tile), advanced without dividing.
 
     @cuda.jit(device=True, inline="always")
-    def load(q0, s0, q1, s1, warp, lane, item, items, words, scl):
-        """Item `item` of this lane's sequence (its tile's rows at chunk lane + 32 step) into a slot."""
-        if item < items:
-            tile = item // steps
-            c = lane + U(32) * (item - tile * steps)
+    def advance(tile, step):
+        """(tile, step) `depth` items later."""
+        step = U(step + U(depth))
+        while step >= steps:
+            step = U(step - steps)
+            tile = U(tile + U(1))
+        return tile, step
+
+    @cuda.jit(device=True, inline="always")
+    def load(q0, s0, q1, s1, warp, lane, tile, step, count, words, scl):
+        """The item (tile, step) of this lane (its tile's rows at chunk lane + 32 step) into a slot."""
+        if tile < count:
+            c = U(lane + U(U(32) * step))
             if c < chunks:
                 for r in range(rows):
-                    row = row_of(warp + tile * total_warps, r)
-                    at = row * words_per_row + U(4) * c
-                    scale_at = row * groups + c // U(CHUNKS_PER_GROUP)
+                    row = row_of(U(warp + U(tile * total_warps)), r)
+                    at = U(U(row * words_per_row) + U(U(4) * c))
+                    scale_at = U(U(row * groups) + U(c // U(CHUNKS_PER_GROUP)))
                     words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = ld_global_nc_v4_u32(q0, at)
                     scl[r] = s0[scale_at]
                     if matrices == 2:
@@ -440,22 +453,20 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
             acc[i] = float32(0)
 
     @cuda.jit(device=True, inline="always")
-    def compute(warp, lane, item, items, words, scl, activations, xs, xv, acc, bias_values, out):
-        """Add item `item` (already in this slot) into acc; at its tile's last step, finish the tile."""
-        if item < items:
-            tile = item // steps
-            step = item - tile * steps
-            c = lane + U(32) * step
+    def compute(warp, lane, tile, step, count, words, scl, activations, xs, xv, acc, bias_values, out):
+        """Add the item (tile, step), already in this slot, into acc; at a tile's last step, finish it."""
+        if tile < count:
+            c = U(lane + U(U(32) * step))
             if c < chunks:
                 load_x(xs, c, xv)
                 multiply(words, 0, scl, 0, c, activations, xv, acc, 0)
                 if matrices == 2:
                     multiply(words, 4 * rows, scl, rows, c, activations, xv, acc, rows)
-            if step == steps - U(1):
+            if step == U(steps - U(1)):
                 if rope:
-                    finish_rope(warp + tile * total_warps, lane, acc, bias_values, out)
+                    finish_rope(U(warp + U(tile * total_warps)), lane, acc, bias_values, out)
                 else:
-                    finish((warp + tile * total_warps) * U(rows), lane, acc, bias_values, out)
+                    finish(U(U(warp + U(tile * total_warps)) * U(rows)), lane, acc, bias_values, out)
 
     # The launch bound caps registers so that blocks_per_sm blocks fit (the simulator has no such option).
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, plan.blocks_per_sm)}))
@@ -472,17 +483,23 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
         xv = cuda.local.array(x_words, uint32)
         acc = cuda.local.array(slot_scales, float32)
         lane = U(cuda.laneid)
-        warp = U(cuda.blockIdx.x) * U(warps) + U(cuda.threadIdx.x) // U(32)
-        items = ((tiles - U(1) - warp) // total_warps + U(1)) * steps if warp < tiles else U(0)
-        # The weights do not depend on the kernel before this one: request them first, let the
-        # next kernel start, then wait for the activations (ptx/griddep.py).
-        load(q0, s0, q1, s1, warp, lane, U(0), items, words0, scl0)
+        warp = U(U(U(cuda.blockIdx.x) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
+        count = U(U(U(tiles - U(1) - warp) // total_warps) + U(1)) if warp < tiles else U(0)  # this warp's tiles
+        items = U(count * steps)
+        # Slot s starts at item s; its (tile, step) cursor then moves `depth` items a round.
+        tile0, step0 = U(0), U(0)
+        tile1, step1 = U(U(1) // steps), U(U(1) % steps)
+        tile2, step2 = U(U(2) // steps), U(U(2) % steps)
+        tile3, step3 = U(U(3) // steps), U(U(3) % steps)
+        # The weights do not depend on the kernel before this one: request them first, then wait
+        # for the activations (ptx/griddep.py).
+        load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
         if depth >= 2:
-            load(q0, s0, q1, s1, warp, lane, U(1), items, words1, scl1)
+            load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
         if depth >= 3:
-            load(q0, s0, q1, s1, warp, lane, U(2), items, words2, scl2)
+            load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
         if depth >= 4:
-            load(q0, s0, q1, s1, warp, lane, U(3), items, words3, scl3)
+            load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
         grid_dependency_wait()
         stage(activations, xs)
         for i in range(slot_scales):
@@ -490,19 +507,23 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: 
         item = U(0)
         triggered = False
         while item < items:
-            compute(warp, lane, item, items, words0, scl0, activations, xs, xv, acc, bias_values, out)
-            load(q0, s0, q1, s1, warp, lane, item + U(depth), items, words0, scl0)
+            compute(warp, lane, tile0, step0, count, words0, scl0, activations, xs, xv, acc, bias_values, out)
+            tile0, step0 = advance(tile0, step0)
+            load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
             if depth >= 2:
-                compute(warp, lane, item + U(1), items, words1, scl1, activations, xs, xv, acc, bias_values, out)
-                load(q0, s0, q1, s1, warp, lane, item + U(depth + 1), items, words1, scl1)
+                compute(warp, lane, tile1, step1, count, words1, scl1, activations, xs, xv, acc, bias_values, out)
+                tile1, step1 = advance(tile1, step1)
+                load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
             if depth >= 3:
-                compute(warp, lane, item + U(2), items, words2, scl2, activations, xs, xv, acc, bias_values, out)
-                load(q0, s0, q1, s1, warp, lane, item + U(depth + 2), items, words2, scl2)
+                compute(warp, lane, tile2, step2, count, words2, scl2, activations, xs, xv, acc, bias_values, out)
+                tile2, step2 = advance(tile2, step2)
+                load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
             if depth >= 4:
-                compute(warp, lane, item + U(3), items, words3, scl3, activations, xs, xv, acc, bias_values, out)
-                load(q0, s0, q1, s1, warp, lane, item + U(depth + 3), items, words3, scl3)
-            item += U(depth)
-            if not triggered and item + U(depth) >= items:
+                compute(warp, lane, tile3, step3, count, words3, scl3, activations, xs, xv, acc, bias_values, out)
+                tile3, step3 = advance(tile3, step3)
+                load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
+            item = U(item + U(depth))
+            if not triggered and U(item + U(depth)) >= items:
                 # This thread has issued its last load: the next kernel may start and request its
                 # weights while this block finishes (a trigger at the start put the next kernel's
                 # blocks beside this one's for its whole run, which measured slower).
