@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, NanoQwenError
 
 GROUP_SIZE = 128  # input elements that share one FP16 scale in every INT4 linear layer
 MAX_INT32 = 2**31 - 1  # token ids, positions and the page table are int32 on the GPU (engine.py)
@@ -145,16 +145,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
-        cfg_path = Path(path) / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{cfg_path} not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-            raise ConfigError(f"{cfg_path} is not valid JSON: {bad}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{cfg_path} is not a JSON object")
-        return cls.from_hf_dict(cfg)
+        return cls.from_hf_dict(read_json_object(Path(path) / "config.json", ConfigError))
 
     def to_hf_dict(self) -> dict:
         """The config.json that transformers' Qwen2ForCausalLM reads for this model."""
@@ -184,6 +175,24 @@ class ModelConfig:
             "torch_dtype": "bfloat16",
             "use_cache": True,
         }
+
+
+def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
+    """The JSON object in `path`; anything else (absent, unreadable, not UTF-8 JSON, not an
+    object) raises `error` naming the file."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path} not found") from None
+    except IsADirectoryError:
+        raise error(f"{path} is a directory, not a JSON file") from None
+    except OSError as err:
+        raise error(f"cannot read {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise error(f"{path} is not valid JSON: {bad}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} is not a JSON object")
+    return value
 
 
 def _is_int(value) -> bool:
