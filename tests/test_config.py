@@ -67,6 +67,7 @@ def test_missing_key_and_unknown_preset():
     ({"rope_theta": 0}, "malformed rope_theta: expected a positive finite number, got 0"),
     ({"rope_theta": "1e6"}, "malformed rope_theta"),
     ({"rope_theta": float("inf")}, "malformed rope_theta"),
+    ({"rope_theta": float("nan")}, "malformed rope_theta"),  # Python's json reads a bare NaN
     ({"rms_norm_eps": -1e-6}, "malformed rms_norm_eps"),
     ({"rms_norm_eps": False}, "malformed rms_norm_eps"),
     ({"tie_word_embeddings": "false"}, "malformed tie_word_embeddings: expected true or false, got 'false'"),

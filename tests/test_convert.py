@@ -329,7 +329,16 @@ def _unmap_tensor(hf_dir):
      "model-00002-of-00007.safetensors is listed in model.safetensors.index.json but does not exist"),
     (_unmap_tensor, "holds model.norm.weight, which model.safetensors.index.json maps to "
                     "'model-00001-of-00007.safetensors'"),
-], ids=["missing-shard", "index-disagrees"])
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": ["a", "b"]})(d),
+     "model.safetensors.index.json names shard ['a', 'b'], not a file name in"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": 3,
+                                                                      "lm_head.weight": "x.safetensors"})(d),
+     "model.safetensors.index.json names shard 3, not a file name in"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map=[1])(d),
+     "model.safetensors.index.json is not a valid index (a JSON object with a weight_map object)"),
+    (_replace_with_directory("model.safetensors.index.json"), "model.safetensors.index.json is a directory"),
+], ids=["missing-shard", "index-disagrees", "index-shard-a-list", "index-shard-a-number", "index-map-a-list",
+        "index-a-directory"])
 def test_sharded_errors(tmp_path, sharded_checkpoint, mutate, message):
     hf_dir = tmp_path / "hf"
     shutil.copytree(sharded_checkpoint, hf_dir)
