@@ -102,8 +102,8 @@ def temp_path(path: Path) -> Path:
 
 
 def leftover_temp_files(path) -> list[tuple[Path, int]]:
-    """(temp file, pid of its writer) of every earlier writer of `path` that never finished
-    (killed with SIGKILL, or the machine stopped): the names temp_path gives."""
+    """(temp file, pid of its writer) of each file next to `path` named as temp_path names them:
+    writers that were killed outright (SIGKILL, a crash), or that are still writing."""
     path = Path(path)
     pattern = re.compile(re.escape(path.name) + r"\.tmp\.(\d+)\.[0-9a-f]{8}")
     try:

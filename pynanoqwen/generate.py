@@ -162,10 +162,11 @@ def check_utf8(what: str, text: str | None) -> None:
         raise NanoQwenError(f"{what} is not valid UTF-8 text ({culprit} at character {bad.start})") from None
 
 
-def check_prompt(prompt: str, fim_suffix: str | None) -> None:
-    check_utf8("the prompt", prompt)
+def check_prompt(prompt: str, fim_suffix: str | None, what: str = "the prompt") -> None:
+    """A prompt is UTF-8 text with something besides white space in it or in the FIM suffix."""
+    check_utf8(what, prompt)
     if not prompt.strip() and not (fim_suffix or "").strip():
-        raise NanoQwenError("the prompt is empty")
+        raise NanoQwenError(f"{what} is empty" + (" (only white space)" if prompt else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,8 +262,7 @@ def resolve_prompt(options: GenerateOptions) -> str:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as bad:
         raise NanoQwenError(f"{label} is not UTF-8 text ({bad.reason} at byte {bad.start})") from None
-    if not text.strip() and not (options.fim_suffix or "").strip():
-        raise NanoQwenError(f"{label} is empty" + (" (only white space)" if text else ""))
+    check_prompt(text, options.fim_suffix, label)
     return text
 
 
