@@ -38,8 +38,8 @@ PLANS = {
     "qkv_rope": [GemvPlan(2, 4, 8, 1), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 2), GemvPlan(2, 2, 8, 1)],
     "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 1, 8, 2), GemvPlan(2, 2, 8, 1),
                 GemvPlan(1, 2, 8, 2)],
-    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(1, 4, 8, 4),
-             GemvPlan(2, 4, 8, 1), GemvPlan(4, 2, 8, 1)],
+    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(1, 4, 8, 4), GemvPlan(4, 2, 8, 1),
+             GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2)],
     "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(4, 2, 8, 1)],
 }
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
