@@ -35,13 +35,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import warnings
-
 import numpy as np
 
-from . import bench_report
+from . import bench_report, device
 from .config import ModelConfig
 from .errors import NanoQwenError
+from .kernels import GEMV_PATHS
 from .sampling import SamplingParams
 
 
@@ -69,8 +68,8 @@ class BenchSettings:
                 raise NanoQwenError(f"--{name.replace('_', '-')} must be at least 1")
         if self.gen_tokens < 2:
             raise NanoQwenError("--gen-tokens must be at least 2 (ITL needs two tokens)")
-        if self.gemv not in ("prmt", "dp4a"):
-            raise NanoQwenError(f"--gemv must be prmt or dp4a, got {self.gemv!r}")
+        if self.gemv not in GEMV_PATHS:
+            raise NanoQwenError(f"--gemv must be {' or '.join(GEMV_PATHS)}, got {self.gemv!r}")
         if self.baseline not in (None, "torch"):
             raise NanoQwenError(f"--baseline must be torch, got {self.baseline!r}")
         return self
@@ -136,14 +135,7 @@ def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs)
 def run_bench(settings: BenchSettings, progress=print) -> dict:
     """Every measurement of the docstring; returns a result dict (bench_report's schema)."""
     settings.validate()
-    from numba.cuda.core.errors import NumbaPerformanceWarning
-
-    from .generate import cuda_gpu_available
-
-    # The benchmark launches small grids on purpose (one-block kernels, tiny GEMV shapes).
-    warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
-
-    if not cuda_gpu_available():
+    if not device.cuda_gpu_available():
         raise NanoQwenError("bench needs an NVIDIA GPU of compute capability 9.0 (H100/H200); none was found")
     from .engine import CudaBackend
     from .gpu_timing import copy_bandwidth
@@ -329,7 +321,7 @@ def gemv_paths(cfg: ModelConfig) -> list[dict]:
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
         row = {"name": name, "n": n, "k": k}
-        for path in ("prmt", "dp4a"):
+        for path in GEMV_PATHS:
             if matrices == 2:
                 (gq, gs), (uq, us) = weights
                 build = lambda p=path: make_gate_up_silu(n, k, gq, gs, uq, us, path=p)  # noqa: E731

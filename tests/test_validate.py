@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from emulated_engine import EmulatedEngine
+from pynanoqwen import device, gates
 from pynanoqwen import validate as validate_module
+from pynanoqwen.backends import CpuBackend
 from pynanoqwen.cli import main
 from pynanoqwen.data import EMBEDDED_MODEL
 from pynanoqwen.fileformat import NanoQwenFile
-from pynanoqwen.generate import CpuBackend
 from pynanoqwen.reference import ReferenceModel, decoder_layer, load_layer
 
 LINE = re.compile(r"^(PASS|FAIL|SKIP)  +(format|reference|unit|layer|graph) +\S")
@@ -41,7 +43,7 @@ def check_lines(output):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(validate_module, "cuda_gpu_available", lambda: False)
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: False)
 
 
 def test_embedded_model_passes_on_cpu_and_skips_the_gpu_tiers(no_gpu):
@@ -119,15 +121,17 @@ def test_bad_options_are_refused():
     assert result.exit_code == 1 and "error: --prompts must be >= 1" in result.output
 
 
-class ReferenceEngine:
-    """A stand-in for engine.CudaBackend on the numpy reference, with the engine's interface: the
-    Backend protocol plus teacher_forced_logits and layer_outputs. `wrong_graph` makes its CUDA-graph
-    variant (eager=False) of one GEMV path return a different last token for every prompt."""
+class ReferenceEngine(EmulatedEngine):
+    """A stand-in for engine.CudaBackend on the numpy reference, with the engine's interface
+    (backends.GpuEngine): its probes from tests/emulated_engine.py, its logits the reference's.
+    `wrong_graph` makes its CUDA-graph variant (eager=False) of one GEMV path return a different
+    last token for every prompt."""
 
     def __init__(self, path, max_context, gemv, eager, wrong_graph=None):
         self.file = NanoQwenFile(path)
+        super().__init__(self.file)
         self.model = ReferenceModel(self.file, max_context=max_context)
-        self.name, self.max_context = f"reference as {gemv}", max_context
+        self.name, self.max_context, self.gemv = f"reference as {gemv}", max_context, gemv
         self.wrong = not eager and gemv == wrong_graph
 
     def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
@@ -140,6 +144,8 @@ class ReferenceEngine:
         self.model.reset()
         return self.model.forward(token_ids)
 
+    prefill_logits = teacher_forced_logits
+
     def layer_outputs(self, layer, hidden_states):
         cfg = self.file.config
         cache = np.zeros((2, len(hidden_states), cfg.num_kv_heads, cfg.head_dim), np.float32)
@@ -150,9 +156,9 @@ class ReferenceEngine:
 def test_gpu_tiers_compare_through_the_engine_interface(monkeypatch, wrong_graph):
     """The layer and graph tiers run on a stand-in engine: all PASS when it computes what the
     reference does, and a graph replay that changes tokens is caught (and only that variant)."""
-    monkeypatch.setattr(validate_module, "cuda_gpu_available", lambda: True)
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: True)
     monkeypatch.setattr(validate_module, "UNIT_CHECKS", ())  # the kernels need a real GPU
-    monkeypatch.setattr(validate_module, "load_backend", lambda path, device, max_context, gemv, eager:
+    monkeypatch.setattr(validate_module, "load_engine", lambda path, max_context, gemv, eager:
                         ReferenceEngine(path, max_context, gemv, eager, wrong_graph))
     result = run_validate("--device", "cuda", "--prompts", "3")
     checks, summary = check_lines(result.output)
@@ -165,6 +171,9 @@ def test_gpu_tiers_compare_through_the_engine_interface(monkeypatch, wrong_graph
         # Teacher forcing feeds in all but the last generated token, the one that was changed.
         expected[f"{gemv} graph vs eager logits"] = "PASS"
         expected[f"{gemv} logits vs reference"] = "PASS"
+        expected[f"{gemv} generate's self-check"] = "PASS"
+        expected[f"{gemv} prefill vs reference"] = "PASS"
+        expected[f"{gemv} prefill vs decode"] = "PASS"
     assert gpu == expected, result.output
     assert result.exit_code == (1 if wrong_graph else 0), result.output
     if wrong_graph:
@@ -184,8 +193,8 @@ def test_embedded_model_passes_every_tier_on_the_gpu():
 
 def test_dp4a_divergences_must_sit_at_near_ties():
     """The dp4a token check: a continuation that leaves the reference where the reference's own
-    top two logits are close passes; the same departure fails once the allowed error is smaller
-    than that gap."""
+    top two logits are close passes; the same departure fails once the margin the error estimate
+    allows is smaller than that gap."""
     from pynanoqwen.tokenizer import Tokenizer
 
     t = validate_module.Target(EMBEDDED_MODEL, embedded=True, prompts=4, seed=0)
@@ -202,7 +211,8 @@ def test_dp4a_divergences_must_sit_at_near_ties():
         gap = float(logits[theirs[1][at]] - logits[second])
         ours = [list(seq) for seq in theirs]
         ours[1][at] = second  # the GPU took the reference's runner-up here
-        assert validate_module._divergences_at_near_ties("x", t, ours, gap / 2 * 1.01).status == "PASS"
-        assert validate_module._divergences_at_near_ties("x", t, ours, gap / 2 * 0.99).status == "FAIL"
+        eps_at_gap = gap / float(gates.clear_margin(logits, 1.0))  # the error estimate whose margin is the gap
+        assert validate_module._divergences_at_near_ties("x", t, ours, eps_at_gap * 1.01).status == "PASS"
+        assert validate_module._divergences_at_near_ties("x", t, ours, eps_at_gap * 0.99).status == "FAIL"
     finally:
         t.file.close()

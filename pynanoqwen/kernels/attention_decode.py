@@ -64,22 +64,21 @@ import math
 import numpy as np
 from numba import cuda, types
 
+from ..device import sm_count
 from ..errors import ConfigError
 from ..ptx.bulk_copy import BULK_COPY_ALIGNMENT, bulk_copy_to_shared
 from ..ptx.half2 import half2_to_float2
 from ..ptx.mbarrier import (fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx,
                             mbarrier_init, mbarrier_wait)
 from ..ptx.warp import warp_sum
-from . import CompileTarget
+from . import PAGE_SIZE, CompileTarget
 
-PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
-SM_COUNT = 132  # H100 / H200 SXM: the default num_splits fills every SM with one block
 STAGES = 4  # default ring depth: 4 x 8 KiB in flight per SM at head_dim 128
 
 
 def default_num_splits(num_kv_heads: int) -> int:
-    """Splits per KV head so that the grid has about one block per SM."""
-    return max(1, SM_COUNT // num_kv_heads)
+    """Splits per KV head so that the grid has about one block per SM of this device."""
+    return max(1, sm_count() // num_kv_heads)
 
 
 def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,
@@ -286,5 +285,5 @@ def compile_targets() -> list[CompileTarget]:
                     "shfl.sync.bfly.b32", "ex2.approx.f32")
     return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits, {stages} stages]",
                           _build_kernel(heads, kv_heads, head_dim, splits, stages), signature, must_contain)
-            for heads, kv_heads, head_dim, splits, stages in ((28, 4, 128, default_num_splits(4), STAGES),
+            for heads, kv_heads, head_dim, splits, stages in ((28, 4, 128, 33, STAGES),
                                                               (4, 2, 64, 3, 2))]

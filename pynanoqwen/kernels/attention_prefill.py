@@ -74,9 +74,8 @@ from ..ptx.half2 import float2_to_half2
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor
-from . import CompileTarget
+from . import PAGE_SIZE, CompileTarget
 
-PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
 KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
 STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head

@@ -17,9 +17,7 @@ from __future__ import annotations
 from numba import cuda
 from numba.core import types
 
-from . import CompileTarget
-
-PAGE_SIZE = 16  # positions per KV page: one (page, kv head) tile is 16 x head_dim FP16 values
+from . import PAGE_SIZE, CompileTarget
 
 
 @cuda.jit
