@@ -180,6 +180,43 @@ def test_gpu_tiers_compare_through_the_engine_interface(monkeypatch, wrong_graph
         assert "3 of 3 continuations differ; first: prompt 0, token 15" in result.output
 
 
+class GarbageEngine(ReferenceEngine):
+    """The stand-in with all-zero or shuffled outputs: logits (both paths) and the layer's."""
+
+    kind = "zeros"
+
+    def corrupt(self, array):
+        if self.kind == "zeros":
+            return np.zeros_like(array)
+        return np.take_along_axis(array, np.argsort(np.random.default_rng().random(array.shape), axis=-1), axis=-1)
+
+    def teacher_forced_logits(self, token_ids):
+        return self.corrupt(super().teacher_forced_logits(token_ids))
+
+    prefill_logits = teacher_forced_logits
+
+    def layer_outputs(self, layer, hidden_states):
+        return self.corrupt(super().layer_outputs(layer, hidden_states))
+
+
+@pytest.mark.parametrize("kind", ["zeros", "shuffled"])
+def test_all_zero_and_shuffled_outputs_fail_the_gpu_tiers(monkeypatch, kind):
+    """Through validate's own comparisons: every check that holds an output against the reference
+    fails (the two paths of the same garbage may agree with each other: prefill vs decode)."""
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: True)
+    monkeypatch.setattr(validate_module, "UNIT_CHECKS", ())
+    monkeypatch.setattr(GarbageEngine, "kind", kind)
+    monkeypatch.setattr(validate_module, "load_engine", lambda path, max_context, gemv, eager:
+                        GarbageEngine(path, max_context, gemv, eager))
+    result = run_validate("--device", "cuda", "--prompts", "3")
+    checks, _ = check_lines(result.output)
+    status = {re.split(r"  +", line)[2]: line.split()[0] for line in checks if re.match(r"\w+ +(layer|graph) ", line)}
+    for gemv in ("prmt", "dp4a"):
+        for name in ("layer 0 vs reference", "logits vs reference", "prefill vs reference"):
+            assert status[f"{gemv} {name}"] == "FAIL", result.output
+    assert result.exit_code == 1
+
+
 @pytest.mark.gpu
 def test_embedded_model_passes_every_tier_on_the_gpu():
     result = run_validate("--device", "cuda")
