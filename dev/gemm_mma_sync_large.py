@@ -18,7 +18,8 @@ from numba.core import types
 
 from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, product_gemm, run, time_product_gemm
 from pynanoqwen.kernels import CompileTarget
-from pynanoqwen.kernels.gemm_int4 import TileShape, gemm_kernel, gemm_signature
+from pynanoqwen.kernels.gemm_int4 import gemm_kernel, gemm_signature
+from pynanoqwen.kernels.gemm_int4_tiles import TileShape
 
 LARGE = TileShape(128, 128, 2, 2)
 

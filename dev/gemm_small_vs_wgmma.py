@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, product_gemm, run, time_product_gemm
-from pynanoqwen.kernels.gemm_int4 import SMALL, TILE_NAMES, candidate_tiles
+from pynanoqwen.kernels.gemm_int4_tiles import SMALL, TILE_NAMES, candidate_tiles
 from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 
 TOKENS = (1, 4, 8, 16)

@@ -29,7 +29,8 @@ from numba.core import types
 from harness import LINEARS_7B, check_gemm, run, time_calls, time_product_gemm
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
-from pynanoqwen.kernels.gemm_int4 import STATIC_SHARED_BYTES, allow_dynamic_shared, gemm_signature
+from pynanoqwen.kernels.gemm_int4 import allow_dynamic_shared, gemm_signature
+from pynanoqwen.kernels.gemm_int4_tiles import STATIC_SHARED_BYTES
 from pynanoqwen.kernels.gemm_int4_wgmma import TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, unpack_fragments
 from pynanoqwen.kernels.int4_unpack import PAIR_CONSTANTS
 from pynanoqwen.oracles import U32

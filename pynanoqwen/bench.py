@@ -93,7 +93,7 @@ def gpu_info() -> dict:
 
 def git_commit() -> str:
     """The commit benchmarked: $PYNANOQWEN_COMMIT when set (the GPU machine's copy of the tree has
-    no trustworthy .git: scripts/device_run.sh is given the commit by whoever starts it), else git's."""
+    no trustworthy .git, so whoever starts the run passes the commit), else git's."""
     if os.environ.get("PYNANOQWEN_COMMIT"):
         return os.environ["PYNANOQWEN_COMMIT"]
     try:
@@ -217,7 +217,7 @@ def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * h + 2 * h) + 2 * cfg.num_layers * context * cfg.kv_size * 2
 
 
-PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
+PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (docs/HARDWARE.md)
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -265,8 +265,8 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try
     from numba import cuda
 
     from .gpu_timing import time_graph, weight_copies
-    from .kernels.gemm_int4 import TILE_NAMES, candidate_tiles, default_tiles_for, gemm_flops, \
-        make_gate_up_silu_gemm, make_gemm_int4, matrices_of
+    from .kernels.gemm_int4 import gemm_flops, make_gate_up_silu_gemm, make_gemm_int4
+    from .kernels.gemm_int4_tiles import TILE_NAMES, candidate_tiles, default_tiles_for, matrices_of
 
     rng = np.random.default_rng(0)
     stream = cuda.stream()
@@ -311,7 +311,7 @@ def kernel_breakdown(backend, context: int) -> list[dict]:
 def gemv_paths(cfg: ModelConfig) -> list[dict]:
     """prmt vs dp4a at each linear shape of `cfg` (random weights: speed does not depend on values)."""
     from .gpu_timing import time_gemv
-    from .kernels.gemm_int4 import matrices_of
+    from .kernels.gemm_int4_tiles import matrices_of
     from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
 
     rng = np.random.default_rng(0)

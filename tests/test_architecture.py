@@ -2,13 +2,20 @@
 
 The import graph of pynanoqwen/ is read from the source (ast), every import counted: at module
 level and inside functions alike, so an import moved into a function to dodge a circle still
-closes the circle here. It must have no cycle.
+closes the circle here. It must have no cycle. And no module may exceed MAX_LINES.
 """
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pynanoqwen"
+MAX_LINES = 500
+# Files over MAX_LINES that another branch is changing right now; each entry must go once it is
+# split (test_no_module_is_over_the_line_limit fails on an entry that is already short enough).
+PENDING_SPLITS = {
+    "kernels/gemv_int4.py": "being rewritten on the lead's branch",
+    "fileformat.py": "being changed on the inputs branch",
+}
 
 
 def module_name(path: Path) -> str:
@@ -88,3 +95,10 @@ def test_no_command_module_is_imported_by_another_module():
     importers = {name: sorted(graph[name] & commands) for name in graph
                  if graph[name] & commands and name not in ("pynanoqwen.cli", "pynanoqwen.__main__")}
     assert importers == {}
+
+
+def test_no_module_is_over_the_line_limit():
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    too_long = {path: n for path, n in lengths.items() if n > MAX_LINES and path not in PENDING_SPLITS}
+    assert too_long == {}
+    assert [path for path in PENDING_SPLITS if lengths.get(path, 0) <= MAX_LINES] == [], "drop them from the list"

@@ -20,7 +20,8 @@ The bound is a worst case (~5e-4 mag at K = 3584); a fragment or layout mistake 
 import numpy as np
 import pytest
 
-from pynanoqwen.kernels.gemm_int4 import SMALL, TILE_NAMES, candidate_tiles, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4_tiles import SMALL, TILE_NAMES, candidate_tiles
 from pynanoqwen.quant import dequantize_int4
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 
 from pynanoqwen.config import PRESETS
 from pynanoqwen.engine import PREFILL_BUCKETS
-from pynanoqwen.kernels.gemm_int4 import TILE_NAMES, default_tiles_for, matrices_of
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, default_tiles_for, matrices_of
 
 
 def layer_shapes(cfg):

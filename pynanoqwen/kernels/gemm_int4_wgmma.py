@@ -46,10 +46,9 @@ WG2_T128 2.1 MFLOP for 20 KiB, WG2_T256 4.2 MFLOP for 36 KiB. A warp issues 64 A
 (the unpack), 4 ld.shared.v4 and 4 wgmma (8 at 256 tokens). Registers (ptxas): 122-158 at 128
 tokens, 218 at 256; no spills.
 
-Measured on the H200 (bench's GEMM table, bench/logs/2026-11-30-session3/, us and TFLOP/s of the
-~790 the H200 reaches in bf16 through cuBLAS): at M = 512 qkv 48.4 (349), o_proj 34.8 (378),
-gate_up 319.9 (435), down_proj 169.1 (411); at 2048 up to 487 (gate_up, WG2_T256: 62%); the
-mma.sync kernel's best was 270. Why not closer to 790 is not yet measured (no profiler run): the
+The measured TFLOP/s of every tile at the 7B shapes, against the ~790 the H200 reaches in bf16
+through cuBLAS and the mma.sync kernel's best, are bench's GEMM table in docs/PERFORMANCE.md.
+Why the best tile stays well short of 790 is not known: no profiler has run on it; the
 candidates are the L2 traffic (~7.6 TB/s of tiles for WG1_T128 at 435 TFLOP/s), the one barrier
 per k tile, and the scattered transposed stores of the epilogue.
 """

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from numba import cuda, float32, uint32
 
-from pynanoqwen.kernels.gemm_int4 import TileShape, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4_tiles import TileShape
 from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
