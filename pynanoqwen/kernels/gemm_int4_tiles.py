@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import GROUP_SIZE
-from .gemm_int4_wgmma import WgmmaTile
+from .gemm_int4_wgmma import GemmTile, WgmmaTile
 
 K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
 A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
@@ -22,7 +22,7 @@ STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory (cuda.shared.a
 
 
 @dataclasses.dataclass(frozen=True)
-class TileShape:
+class TileShape(GemmTile):
     """A block's tile: BLOCK_M activation rows x BLOCK_N weight rows (all matrices together),
     split over WARPS_M x WARPS_N warps; STAGES k tiles in flight."""
 
@@ -42,14 +42,6 @@ class TileShape:
             raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
                              f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
                              f"{STATIC_SHARED_BYTES} bytes of shared memory")
-
-    def fits(self, n: int, k: int, matrices: int) -> bool:
-        """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""
-        try:
-            self.check(matrices)
-        except ValueError:
-            return False
-        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
 
     @property
     def threads(self) -> int:

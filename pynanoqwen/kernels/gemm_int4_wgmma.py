@@ -81,8 +81,21 @@ TOKEN_TILES = SHAPES_N + (256,)  # 256 tokens: two n128 wgmmas per k step
 SHARED_LIMIT = 227 * 1024  # a block's dynamic shared memory on sm_90 (after cudaFuncSetAttribute)
 
 
+class GemmTile:
+    """What the tiles of both GEMM kernels share (this one's WgmmaTile, gemm_int4_tiles.TileShape):
+    `fits`, from the tile's own `check(matrices)` and `block_n`."""
+
+    def fits(self, n: int, k: int, matrices: int) -> bool:
+        """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""
+        try:
+            self.check(matrices)
+        except ValueError:
+            return False
+        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
+
+
 @dataclasses.dataclass(frozen=True)
-class WgmmaTile:
+class WgmmaTile(GemmTile):
     """A block's tile: 64 WARPGROUPS weight rows (all matrices together) x TOKENS activation rows,
     STAGES 64-wide k tiles in flight."""
 
@@ -115,13 +128,6 @@ class WgmmaTile:
                 or self.dynamic_shared_bytes > SHARED_LIMIT or matrices not in (1, 2):
             raise ValueError(f"{self}: token tiles are {TOKEN_TILES}, 1 or 2 warpgroups, >= 3 stages within "
                              f"{SHARED_LIMIT} bytes of shared memory")
-
-    def fits(self, n: int, k: int, matrices: int) -> bool:
-        try:
-            self.check(matrices)
-        except ValueError:
-            return False
-        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
 
 
 @cuda.jit(device=True, inline="always")
