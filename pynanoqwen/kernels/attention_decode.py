@@ -34,7 +34,7 @@ Merge. Each split writes its partial (max, sum, unnormalised acc) per head to a 
 kernel object owns; then the block increments a per-KV-head counter, and the block that arrives
 last (threadfence / atomic / threadfence, as in CUDA's threadFenceReduction sample) merges the
 partials of the splits that had pages, writes attn, and resets the counter for the next launch.
-That saves a second kernel launch per layer (~1 us each inside a graph, ../shared/GPU-NOTES.md).
+That saves a second kernel launch per layer (~1 us each inside a graph, docs/HARDWARE.md).
 
 Shared memory: the ring, STAGES x (K tile + V tile) = 4 x 8 KiB at head_dim 128, plus 2 x STAGES
 mbarriers and a flag: 32836 bytes per block (nvJitLink reports 33860 with the 1 KiB sm_90

@@ -24,7 +24,7 @@ lane) and the activations it loads from shared memory serve R rows. The group sc
 scales[n, c // 4]. Lane partial sums meet in a warp_sum; lane r stores row r (epilogue).
 
 Activations live in shared memory, staged once per block, laid out so that the 32 lanes' reads of
-one step hit 32 different banks (the 331 GB/s GEMV of ../shared/GPU-NOTES.md had a 32-way
+one step hit 32 different banks (the 331 GB/s GEMV probe of docs/HARDWARE.md had a 32-way
 conflict): prmt path: half2 word i (0..15) of chunk c sits at xs[i * xs_stride + c]; dp4a path: the
 quantizer writes the INT8 words already in that order, xq[j * K/32 + c], copied as is.
 xs_stride = K/32 rounded up to 2 mod 8 also keeps the staging stores (one 16-byte load of x per
