@@ -14,9 +14,11 @@ import math
 import numpy as np
 
 from .quant import dequantize_int4
-from .tensors import QWEIGHT, SCALES, hf_tensors, layer_prefix
+from .reference import layer_nbytes
+from .tensors import QWEIGHT, SCALES, is_quantized, layer_prefix
 
 INSTALL_HINT = "pip install pynanoqwen[validate]"
+ROW_BLOCK = 4096  # rows of a tensor dequantized at once while a model is filled
 
 
 def missing() -> str | None:
@@ -24,35 +26,54 @@ def missing() -> str | None:
     return next((name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None), None)
 
 
-def dequantized_hf_weights(weights) -> tuple:
-    """(config transformers should use, {HF name: float64 array}) of a .nanoqwen file's weights.
+def float64_bytes(cfg) -> int:
+    """Bytes of the float64 transformers model of `cfg` (its parameters; a tied lm_head once)."""
+    tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * cfg.hidden_size
+    return 2 * cfg.num_layers * layer_nbytes(cfg) + 8 * (tables + cfg.hidden_size)
+
+
+def fill_block_bytes(cfg) -> int:
+    """What filling a parameter holds at once: its largest block of rows (at most ROW_BLOCK) in
+    float64, with numpy's temporaries of the dequantization (4x)."""
+    shapes = list(cfg.linear_shapes.values()) + [(cfg.vocab_size, cfg.hidden_size)]
+    return 4 * 8 * max(min(ROW_BLOCK, n) * k for n, k in shapes)
+
+
+def _fill(parameter, weights, name: str) -> None:
+    """Copy the stored tensor `name` (HF name) into a float64 parameter, ROW_BLOCK rows at a time:
+    an INT4 linear dequantized exactly, an FP16 tensor widened. No float64 copy of the whole
+    tensor is ever made, so building a model costs its parameters plus one block."""
+    import torch
+
+    quantized = is_quantized(name, weights.lm_head_int4)
+    rows = parameter.shape[0]
+    with torch.no_grad():
+        for first in range(0, rows, ROW_BLOCK):
+            block = slice(first, min(first + ROW_BLOCK, rows))
+            if quantized:
+                values = dequantize_int4(weights.tensor(name + QWEIGHT)[block], weights.tensor(name + SCALES)[block],
+                                         np.float64)
+            else:
+                values = np.asarray(weights.tensor(name)[block], dtype=np.float64)
+            parameter[block] = torch.from_numpy(values)
+
+
+def transformers_model(weights):
+    """transformers' Qwen2ForCausalLM in float64, eager attention, holding the file's dequantized
+    weights, filled in place (float64_bytes of memory, plus one block).
 
     A tied model with an INT4 lm_head computes with dequantize(quantize(embed)), not embed, so
     transformers must hold it as an untied model.
     """
-    cfg = weights.config
-    hf_cfg = dataclasses.replace(cfg, tie_word_embeddings=cfg.tie_word_embeddings and not weights.lm_head_int4)
-    out = {}
-    for name in hf_tensors(hf_cfg):
-        if name.endswith("_proj.weight") or (name == "lm_head.weight" and weights.lm_head_int4):
-            out[name] = dequantize_int4(weights.tensor(name + QWEIGHT), weights.tensor(name + SCALES), np.float64)
-        else:
-            out[name] = np.asarray(weights.tensor(name), dtype=np.float64)
-    return hf_cfg, out
-
-
-def transformers_model(weights):
-    """transformers' Qwen2ForCausalLM in float64, eager attention, holding the file's dequantized weights."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    hf_cfg, tensors = dequantized_hf_weights(weights)
+    cfg = weights.config
+    hf_cfg = dataclasses.replace(cfg, tie_word_embeddings=cfg.tie_word_embeddings and not weights.lm_head_int4)
     model = Qwen2ForCausalLM._from_config(Qwen2Config(**hf_cfg.to_hf_dict()), attn_implementation="eager",
                                           dtype=torch.float64)
-    state = {name: torch.from_numpy(w) for name, w in tensors.items()}
-    if hf_cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
+    for name, parameter in model.named_parameters():  # a tied lm_head is the embedding's parameter
+        _fill(parameter, weights, name)
     return model.eval()
 
 
@@ -74,15 +95,8 @@ def transformers_layer_outputs(weights, layer: int, x: np.ndarray) -> np.ndarray
     config = Qwen2Config(**cfg.to_hf_dict())
     config._attn_implementation = "eager"
     module = Qwen2DecoderLayer(config, layer_idx=layer).to(torch.float64).eval()
-    prefix = layer_prefix(layer)
-    state = {}
-    for name in module.state_dict():
-        full = prefix + name
-        if full.endswith("_proj.weight"):
-            state[name] = dequantize_int4(weights.tensor(full + QWEIGHT), weights.tensor(full + SCALES), np.float64)
-        else:
-            state[name] = np.asarray(weights.tensor(full), dtype=np.float64)
-    module.load_state_dict({name: torch.from_numpy(w) for name, w in state.items()}, strict=True)
+    for name, parameter in module.named_parameters():
+        _fill(parameter, weights, layer_prefix(layer) + name)
     seq = len(x)
     hidden = torch.from_numpy(np.asarray(x, dtype=np.float64))[None]
     positions = torch.arange(seq)[None]

@@ -37,12 +37,20 @@ its choice over the GPU's is within the clear margin of gates.py. REFERENCE_MAX_
 estimate: the reference computes in float32 (matmuls) and float64 (norms, softmax, RoPE angles);
 measured against float64 transformers it errs by 6e-7 on the tiny preset (tests/test_reference.py),
 and 1e-4 leaves room for deeper and wider models while staying 40x under the prmt layer bound.
+
+Memory. The memory validate allocates (anonymous memory: arrays and tensors; the file's mapped
+pages belong to the page cache) stays under CPU_MEMORY_BYTES, 4 GiB. The reference model streams
+one layer at a time (reference.ReferenceModel(cache_layers=False)); the float64 transformers
+model and layer are filled in place, block by block (transformers_adapter.py); and a check that
+would not fit beside what the process already holds is a SKIP that says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import resource
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -55,7 +63,7 @@ from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .kernels import GEMV_PATHS
 from .oracles import Check, passed, skipped
-from .reference import ReferenceModel, decoder_layer, dequantized_nbytes, load_layer, rms_norm
+from .reference import LM_HEAD_ROWS, ReferenceModel, decoder_layer, layer_nbytes, load_layer, rms_norm
 from .sampling import SamplingParams
 from .selfcheck import run_self_check
 from .tokenizer import Tokenizer
@@ -67,13 +75,14 @@ NEW_TOKENS = 16
 TEACHER_FORCED_PROMPTS = 8     # prompts whose logits are compared (vocab floats per position)
 LAYER_TOKENS = 32              # positions in the one-layer checks
 REFERENCE_MAX_REL_ERROR = 1e-4  # an estimate: the module docstring
-FLOAT64_MODEL_BYTES = 4 * 2**30  # largest float64 copy of the whole model built for transformers
+CPU_MEMORY_BYTES = 4 * 2**30  # what validate may hold on the CPU at once: the module docstring
 
 
 @dataclasses.dataclass
 class Report:
     checks: list[Check]
     seed: int
+    notes: list[str] = dataclasses.field(default_factory=list)  # what a user should know about what did not run
 
     @property
     def failed(self) -> bool:
@@ -86,7 +95,7 @@ class Report:
         verdict = "FAILED" if self.failed else "OK"
         return (f"validate {verdict}: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
                 + (f" (tiers skipped: {', '.join(skipped_tiers)})" if skipped_tiers else "")
-                + f"; random inputs from seed {self.seed}")
+                + "".join(f"; {note}" for note in self.notes) + f"; random inputs from seed {self.seed}")
 
 
 class Target:
@@ -100,6 +109,7 @@ class Target:
         self._prompts: list[list[int]] | None = None
         self._reference_tokens: list[list[int]] | None = None
         self._teacher_forced: dict[tuple, np.ndarray] = {}
+        self.notes: list[str] = []  # for the report's summary
 
     @property
     def config(self):
@@ -152,7 +162,7 @@ def validate(model: str | None, device_name: str = "auto", prompts: int = DEFAUL
     seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
     target = Target(path, embedded, prompts, seed)
     on_line(f"validating {path}{' (the embedded tiny-coder)' if embedded else ''}, device {device_name}")
-    report = Report([], seed)
+    report = Report([], seed, target.notes)
     gpu_reason = _gpu_unavailable(device_name)
     try:
         for tier, run_tier, needs_gpu in TIERS:
@@ -232,8 +242,17 @@ def format_tier(t: Target) -> Iterator[Check]:
 def reference_tier(t: Target) -> Iterator[Check]:
     absent = transformers_adapter.missing()
     if absent is not None:
+        t.notes.append(f"the reference tier did not run ({absent} is not installed): "
+                       f"`{transformers_adapter.INSTALL_HINT}` adds torch and transformers")
         yield skipped("all", f"the reference tier was not run: it needs torch and transformers ({absent} is not "
                              f"installed); `{transformers_adapter.INSTALL_HINT}` adds them")
+        return
+    cfg = t.config
+    layer, block = layer_nbytes(cfg), transformers_adapter.fill_block_bytes(cfg)  # one float32 layer; a fill block
+    no_room = _no_room(3 * layer + block, "a float32 and a float64 copy of layer 0")
+    if no_room:
+        for name in ("layer 0 vs transformers", "logits vs transformers", "greedy tokens vs transformers"):
+            yield skipped(name, no_room)
         return
     x = random_hidden_states(t)
     delta_ours = reference_layer_outputs(t, 0, x) - x
@@ -243,16 +262,17 @@ def reference_tier(t: Target) -> Iterator[Check]:
                  f"{LAYER_TOKENS} random positions: layer output - input, worst row relative error "
                  f"{error:.2e} (limit {REFERENCE_MAX_REL_ERROR:.0e})")
 
-    float64_bytes = 2 * dequantized_nbytes(t.config)
-    if float64_bytes > FLOAT64_MODEL_BYTES:
-        why = (f"the float64 transformers model would take {float64_bytes / 2**30:.1f} GiB "
-               f"(limit {FLOAT64_MODEL_BYTES / 2**30:.0f})")
-        yield skipped("logits vs transformers", why)
-        yield skipped("greedy tokens vs transformers", why)
+    prompt = t.prompts()[0]
+    # The float64 model, the reference's one streamed layer and lm_head block, both prompts' logits.
+    needed = (transformers_adapter.float64_bytes(cfg) + layer + block + 4 * LM_HEAD_ROWS * cfg.hidden_size
+              + 24 * len(prompt) * cfg.vocab_size)
+    no_room = _no_room(needed, "the float64 transformers model")
+    if no_room:
+        yield skipped("logits vs transformers", no_room)
+        yield skipped("greedy tokens vs transformers", no_room)
         return
     model = transformers_adapter.transformers_model(t.file)
-    prompt = t.prompts()[0]
-    ours = ReferenceModel(t.file, max_context=len(prompt)).forward(prompt)
+    ours = ReferenceModel(t.file, max_context=len(prompt), cache_layers=False).forward(prompt)
     theirs = transformers_adapter.transformers_logits(model, prompt)
     error = gates.relative_error(ours, theirs)
     top1 = float(np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1)))
@@ -279,6 +299,27 @@ def _compare_tokens(name: str, ours: list[list[int]], theirs: list[list[int]]) -
                     min(len(ours[i]), len(theirs[i])))
     return passed(name, False, f"{len(differing)} of {len(ours)} continuations differ; first: prompt {i}, "
                                f"token {position}")
+
+
+def allocated_bytes() -> int:
+    """The anonymous memory this process holds now (RssAnon: not the file's mapped pages, which
+    are the page cache's); where /proc is missing, the peak resident size so far."""
+    try:
+        with open("/proc/self/status") as status:
+            return 1024 * int(next(line.split()[1] for line in status if line.startswith("RssAnon:")))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else 1024 * peak
+
+
+def _no_room(nbytes: int, what: str) -> str | None:
+    """Why `what` (nbytes more) does not fit under CPU_MEMORY_BYTES beside what the process holds,
+    or None when it does."""
+    held = allocated_bytes()
+    if held + nbytes <= CPU_MEMORY_BYTES:
+        return None
+    return (f"{what} ({nbytes / 2**30:.1f} GiB) would not fit under validate's memory cap of "
+            f"{CPU_MEMORY_BYTES / 2**30:.1f} GiB beside the {held / 2**30:.1f} GiB it holds")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -253,3 +253,71 @@ def test_dp4a_divergences_must_sit_at_near_ties():
         assert validate_module._divergences_at_near_ties("x", t, ours, eps_at_gap * 0.99).status == "FAIL"
     finally:
         t.file.close()
+
+
+def test_without_torch_the_reference_tier_says_it_was_skipped_and_how_to_get_it(no_gpu, monkeypatch):
+    from pynanoqwen import transformers_adapter
+
+    monkeypatch.setattr(transformers_adapter, "missing", lambda: "torch")
+    result = run_validate("--device", "cpu", "--prompts", "2")
+    assert result.exit_code == 0, result.output
+    checks, summary = check_lines(result.output)
+    reference = [line for line in checks if re.match(r"\w+ +reference ", line)]
+    assert len(reference) == 1 and re.match(r"SKIP +reference +all +the reference tier was not run: it needs torch",
+                                            reference[0]), result.output
+    assert "pip install pynanoqwen[validate]" in reference[0]
+    assert "the reference tier did not run (torch is not installed): `pip install pynanoqwen[validate]`" in summary
+
+
+MEMORY_TEST_CAP = int(1.5 * 2**30)
+MEMORY_SCRIPT = """
+import sys, threading, time
+from pynanoqwen import validate
+
+def anon():  # RssAnon: the process's own memory, not the file's mapped pages
+    with open("/proc/self/status") as status:
+        return 1024 * int(next(line.split()[1] for line in status if line.startswith("RssAnon:")))
+
+peak, done = [anon()], threading.Event()
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.01)
+
+watcher = threading.Thread(target=watch)
+watcher.start()
+validate.CPU_MEMORY_BYTES = int(sys.argv[2])
+report = validate.validate(sys.argv[1], "cpu", 2, 0, on_line=print)
+done.set()
+watcher.join()
+print("PEAK", max(peak[0], anon()))
+"""
+
+
+@pytest.mark.slow
+def test_validate_on_the_cpu_stays_under_its_memory_cap(tmp_path):
+    """A model whose float64 transformers copy is 0.77 GB (0.5B widths, 6 layers, vocab 8192),
+    under a cap of 1.5 GiB: the logits check must run, and the process's anonymous memory (the
+    file's mapped pages aside) must stay under the cap throughout (measured: 1.19 GiB). Building the
+    float64 model from a float64 copy of every tensor, as validate did before, held both copies and
+    the reference's cached float32 layers: 1.77 GiB here, measured the same way."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from pynanoqwen.config import PRESETS
+    from pynanoqwen.synthetic import write_synthetic_nanoqwen
+    from pynanoqwen.transformers_adapter import float64_bytes
+
+    cfg = dataclasses.replace(PRESETS["0.5b"], num_layers=6, vocab_size=8192, max_position_embeddings=256)
+    assert 0.7e9 < float64_bytes(cfg) < 0.8e9
+    path = tmp_path / "mid.nanoqwen"
+    write_synthetic_nanoqwen(path, cfg, seed=5, lm_head_int4=False)
+    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path), str(MEMORY_TEST_CAP)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak = int(re.search(r"^PEAK (\d+)$", proc.stdout, re.M).group(1))
+    print(proc.stdout[-2000:], f"\npeak anonymous memory {peak / 2**30:.2f} GiB (cap {MEMORY_TEST_CAP / 2**30:.1f})")
+    assert re.search(r"^PASS +reference +logits vs transformers ", proc.stdout, re.M), proc.stdout
+    assert peak <= MEMORY_TEST_CAP
