@@ -35,14 +35,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import warnings
-
 import numpy as np
 
-from . import bench_report
+from . import bench_report, device
 from .config import ModelConfig, preset
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
+from .kernels import GEMV_PATHS
 from .sampling import SamplingParams
 
 
@@ -70,8 +69,8 @@ class BenchSettings:
                 raise NanoQwenError(f"--{name.replace('_', '-')} must be at least 1")
         if self.gen_tokens < 2:
             raise NanoQwenError("--gen-tokens must be at least 2 (ITL needs two tokens)")
-        if self.gemv not in ("prmt", "dp4a"):
-            raise NanoQwenError(f"--gemv must be prmt or dp4a, got {self.gemv!r}")
+        if self.gemv not in GEMV_PATHS:
+            raise NanoQwenError(f"--gemv must be {' or '.join(GEMV_PATHS)}, got {self.gemv!r}")
         if self.baseline not in (None, "torch"):
             raise NanoQwenError(f"--baseline must be torch, got {self.baseline!r}")
         if self.synthetic is not None:
@@ -99,7 +98,7 @@ def gpu_info() -> dict:
 
 def git_commit() -> str:
     """The commit benchmarked: $PYNANOQWEN_COMMIT when set (the GPU machine's copy of the tree has
-    no trustworthy .git: scripts/device_run.sh is given the commit by whoever starts it), else git's."""
+    no trustworthy .git, so whoever starts the run passes the commit), else git's."""
     if os.environ.get("PYNANOQWEN_COMMIT"):
         return os.environ["PYNANOQWEN_COMMIT"]
     try:
@@ -141,14 +140,8 @@ def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs)
 def run_bench(settings: BenchSettings, progress=print) -> dict:
     """Every measurement of the docstring; returns a result dict (bench_report's schema)."""
     settings.validate()  # every setting first, the hardware after
-    from .generate import cuda_gpu_available
-
-    if not cuda_gpu_available():
+    if not device.cuda_gpu_available():
         raise NanoQwenError("bench needs an NVIDIA GPU of compute capability 9.0 (H100/H200); none was found")
-    from numba.cuda.core.errors import NumbaPerformanceWarning
-
-    # The benchmark launches small grids on purpose (one-block kernels, tiny GEMV shapes).
-    warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
     from .engine import CudaBackend
     from .gpu_timing import copy_bandwidth
 
@@ -229,7 +222,7 @@ def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * h + 2 * h) + 2 * cfg.num_layers * context * cfg.kv_size * 2
 
 
-PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (../shared/GPU-NOTES.md)
+PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (docs/HARDWARE.md)
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -277,8 +270,8 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try
     from numba import cuda
 
     from .gpu_timing import time_graph, weight_copies
-    from .kernels.gemm_int4 import TILE_NAMES, candidate_tiles, default_tiles_for, gemm_flops, \
-        make_gate_up_silu_gemm, make_gemm_int4, matrices_of
+    from .kernels.gemm_int4 import gemm_flops, make_gate_up_silu_gemm, make_gemm_int4
+    from .kernels.gemm_int4_tiles import TILE_NAMES, candidate_tiles, default_tiles_for, matrices_of
 
     rng = np.random.default_rng(0)
     stream = cuda.stream()
@@ -323,7 +316,7 @@ def kernel_breakdown(backend, context: int) -> list[dict]:
 def gemv_paths(cfg: ModelConfig) -> list[dict]:
     """prmt vs dp4a at each linear shape of `cfg` (random weights: speed does not depend on values)."""
     from .gpu_timing import time_gemv
-    from .kernels.gemm_int4 import matrices_of
+    from .kernels.gemm_int4_tiles import matrices_of
     from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
 
     rng = np.random.default_rng(0)
@@ -333,7 +326,7 @@ def gemv_paths(cfg: ModelConfig) -> list[dict]:
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
         row = {"name": name, "n": n, "k": k}
-        for path in ("prmt", "dp4a"):
+        for path in GEMV_PATHS:
             if matrices == 2:
                 (gq, gs), (uq, us) = weights
                 build = lambda p=path: make_gate_up_silu(n, k, gq, gs, uq, us, path=p)  # noqa: E731

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import click
 
+from .device import library_warnings
 from .errors import NanoQwenError
+from .kernels import GEMV_PATHS
 
 
 class _Group(click.Group):
@@ -61,6 +63,11 @@ def info(file):
     click.echo(describe(file))
 
 
+def verbose_option(command):
+    """--verbose: show the warnings numba-cuda prints while kernels compile and launch."""
+    return click.option("--verbose", is_flag=True, help="Show numba-cuda's warnings (hidden by default).")(command)
+
+
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", metavar="FILE", default=None,
@@ -83,13 +90,15 @@ def info(file):
               help="Fill in the middle: PROMPT is the code before the hole, TEXT the code after it.")
 @click.option("--max-context", type=int, default=32768, show_default=True,
               help="KV cache size in tokens (capped by the model's max_position_embeddings).")
-@click.option("--gemv", type=click.Choice(["prmt", "dp4a"]), default="prmt", show_default=True,
-              help="INT4 unpack variant of the GPU GEMV kernels.")
+@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="prmt", show_default=True,
+              help="INT4 unpack path of the GPU GEMV kernels (dp4a: INT8 activations, the comparison path).")
 @click.option("--eager", is_flag=True, help="Launch GPU kernels one by one instead of replaying a CUDA graph.")
 @click.option("--skip-selfcheck", is_flag=True,
-              help="On the GPU, skip the check of one decode step against the numpy reference before generating.")
+              help="On the GPU, skip the check of one decode step and one prefill chunk against float64 before "
+                   "generating.")
+@verbose_option
 def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, top_k, top_p, seed, chat, system,
-             fim_suffix, max_context, gemv, eager, skip_selfcheck):
+             fim_suffix, max_context, gemv, eager, skip_selfcheck, verbose):
     """Generate text after PROMPT, streaming it to stdout; a summary goes to stderr. The prompt
     itself is not printed again."""
     from .generate import GenerateOptions, run
@@ -100,8 +109,9 @@ def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, to
                               sampling=SamplingParams(temperature, top_k, top_p, seed), chat=chat,
                               system=system, fim_suffix=fim_suffix, max_context=max_context, gemv=gemv,
                               eager=eager, self_check=not skip_selfcheck)
-    run(options, on_text=lambda text: click.echo(text, nl=False),
-        on_status=lambda line: click.echo(line, err=True))
+    with library_warnings(verbose):
+        run(options, on_text=lambda text: click.echo(text, nl=False),
+            on_status=lambda line: click.echo(line, err=True))
 
 
 @main.command()
@@ -112,11 +122,14 @@ def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, to
 @click.option("--prompts", type=int, default=100, show_default=True,
               help="Code prompts continued in the greedy-token and graph checks.")
 @click.option("--seed", type=int, default=None, help="Seed of the random inputs. [default: fresh, printed at the end]")
-def validate(model, device, prompts, seed):
+@verbose_option
+def validate(model, device, prompts, seed, verbose):
     """Check the runtime on this machine against its references, tier by tier; exit 1 on any FAIL."""
     from .validate import validate as run_validate
 
-    if run_validate(model, device, prompts, seed, on_line=click.echo).failed:
+    with library_warnings(verbose):
+        report = run_validate(model, device, prompts, seed, on_line=click.echo)
+    if report.failed:
         sys.exit(1)
 
 
@@ -127,15 +140,16 @@ def validate(model, device, prompts, seed):
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed runs after one warm-up.")
 @click.option("--eager-tokens", type=int, default=16, show_default=True, help="Tokens timed in eager mode.")
-@click.option("--gemv", type=click.Choice(["prmt", "dp4a"]), default="prmt", show_default=True)
+@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="prmt", show_default=True)
 @click.option("--baseline", type=click.Choice(["torch"]), help="Also run transformers + torch on the same weights.")
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
 @click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
 @click.option("--no-prefill-sweep", is_flag=True, help="Skip the TTFT sweep over 128, 512, 2048 and 8192-token prompts.")
 @click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512 and 2048).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every figure to this JSON file.")
+@verbose_option
 def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, gemv, baseline, no_kernels,
-          no_gemv_paths, no_prefill_sweep, no_gemm_tiles, json_path):
+          no_gemv_paths, no_prefill_sweep, no_gemm_tiles, json_path, verbose):
     """Measure TTFT, ITL, bandwidth and a kernel breakdown on the GPU; print a markdown table."""
     from .bench import BenchSettings, run_bench
     from .bench_report import render_markdown, write_json
@@ -147,7 +161,8 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
                              gemm_tiles=not no_gemm_tiles).validate()
     if json_path and not Path(json_path).resolve().parent.is_dir():  # found out now, not after the run
         raise NanoQwenError(f"--json {json_path}: its directory does not exist")
-    result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
+    with library_warnings(verbose):
+        result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
     click.echo(render_markdown(result))
     if json_path:
         write_json(result, json_path)

@@ -1,10 +1,9 @@
 """`python -m pynanoqwen generate`: prompt text -> token ids -> a backend -> streamed text.
 
-A backend owns a loaded model and turns prompt ids into new token ids (`Backend` below). There
-are two: `CpuBackend` here, over the numpy reference model (reference.py) and the numpy sampler
-(sampling.py), and `CudaBackend` in engine.py, which runs the INT4 kernels and samples on the GPU.
-Everything around the backend is shared and lives here: building the prompt (raw, ChatML chat or
-fill-in-the-middle), refusing what cannot run, streaming the text, and the timing summary.
+A backend (backends.py: the numpy reference on the CPU, or the GPU engine) owns the loaded model
+and turns prompt ids into new token ids. Everything around it lives here: building the prompt
+(raw, ChatML chat or fill-in-the-middle), refusing what cannot run, streaming the text, and the
+timing summary.
 """
 
 from __future__ import annotations
@@ -12,100 +11,21 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
-import numpy as np
-
+from . import device as cuda_device
+from .backends import Backend, load_backend
+from .data import EMBEDDED_MODEL
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
-from .sampling import SamplingParams, sample
+from .kernels import GEMV_PATHS
+from .sampling import SamplingParams
+from .selfcheck import require_self_check
 from .tokenizer import Tokenizer
 
 DEFAULT_MAX_CONTEXT = 32768
 DEFAULT_MAX_NEW_TOKENS = 256
-GEMV_VARIANTS = ("prmt", "dp4a")
-
-
-class Backend(Protocol):
-    """What `generate` needs from a loaded model, on any device.
-
-    `generate` resets the backend's KV cache, runs the prompt, then yields one sampled token id
-    at a time, as soon as it is known. It yields at most `max_new_tokens` ids and stops right
-    after yielding an id in `stop_ids` (that id is yielded, so the caller can tell why it stopped).
-    The caller guarantees len(prompt_ids) + max_new_tokens <= max_context and params.validate().
-    Sampling is seeded once per call from params.seed: the same call gives the same tokens.
-    load_backend builds one: CpuBackend(ReferenceModel(file)), or for the GPU
-    engine.CudaBackend(model_path, max_context=..., gemv="prmt"|"dp4a", eager=bool).
-    """
-
-    name: str  # starts the summary line, e.g. "cpu (numpy reference)"
-    max_context: int  # positions the KV cache holds: prompt plus generated tokens
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]: ...
-
-
-class CpuBackend:
-    """The numpy reference model with the numpy sampler: slow, the oracle the GPU engine is
-    tested against, and runs anywhere."""
-
-    name = "cpu (numpy reference)"
-
-    def __init__(self, model):
-        self.model = model  # a reference.ReferenceModel, or anything with its forward/reset
-        self.max_context = model.max_context
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]:
-        self.model.reset()
-        rng = np.random.default_rng(params.seed)
-        logits = self.model.forward(prompt_ids, last_only=True)[-1]
-        for step in range(max_new_tokens):
-            token = sample(logits, params, rng)
-            yield token
-            if token in stop_ids or step + 1 == max_new_tokens:
-                return
-            logits = self.model.forward([token])[-1]
-
-
-def cuda_gpu_available() -> bool:
-    """Whether a CUDA GPU the engine can use (compute capability 9.0 or newer) is present."""
-    try:
-        from numba import config, cuda
-        from numba.cuda.cudadrv.error import CudaSupportError
-
-        # The simulator reports a device, but the engine's inline PTX cannot run on it.
-        if config.ENABLE_CUDASIM:
-            return False
-        try:
-            return bool(cuda.is_available()) and cuda.get_current_device().compute_capability >= (9, 0)
-        except CudaSupportError:
-            return False
-    except ImportError:  # numba-cuda or its CUDA libraries are not installed
-        return False
-
-
-def load_backend(model_path, device: str, max_context: int, gemv: str = "prmt",
-                 eager: bool = False) -> Backend:
-    """Load the model in `model_path` for `device` ("cpu" or "cuda") with room for
-    `max_context` positions. `gemv` (INT4 unpack variant) and `eager` (no CUDA graph) only
-    matter on the GPU."""
-    if device == "cpu":
-        from .reference import ReferenceModel
-
-        # The model reads its weights from the file's mmap as it runs, so the file stays open.
-        return CpuBackend(ReferenceModel(NanoQwenFile(model_path), max_context=max_context))
-    if device == "cuda":
-        if not cuda_gpu_available():
-            raise NanoQwenError("no CUDA GPU found; use --device cpu")
-        try:
-            from .engine import CudaBackend
-        except ImportError as err:
-            raise NanoQwenError(f"the GPU engine cannot be loaded ({err}); use --device cpu") from None
-        return CudaBackend(model_path, max_context=max_context, gemv=gemv, eager=eager)
-    raise NanoQwenError(f"--device must be cuda or cpu, got {device!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +52,8 @@ class GenerateOptions:
             raise NanoQwenError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context < 2:
             raise NanoQwenError(f"--max-context must be >= 2, got {self.max_context}")
-        if self.gemv not in GEMV_VARIANTS:
-            raise NanoQwenError(f"--gemv must be one of {', '.join(GEMV_VARIANTS)}, got {self.gemv!r}")
+        if self.gemv not in GEMV_PATHS:
+            raise NanoQwenError(f"--gemv must be one of {', '.join(GEMV_PATHS)}, got {self.gemv!r}")
         if self.system is not None and not self.chat:
             raise NanoQwenError("--system needs --chat")
         if self.fim_suffix is not None and self.chat:
@@ -270,8 +190,6 @@ def resolve_model(model: str | None) -> Path:
     """The model file to run: --model, or the embedded tiny-coder (pynanoqwen/data) without one."""
     if model is not None:
         return Path(model)
-    from .data import EMBEDDED_MODEL
-
     if not EMBEDDED_MODEL.is_file():
         raise NanoQwenError(f"no --model given and the embedded model {EMBEDDED_MODEL} is missing "
                             "(a broken install?); pass --model FILE")
@@ -281,7 +199,7 @@ def resolve_model(model: str | None) -> Path:
 def resolve_device(device: str | None, on_status: Callable[[str], None]) -> str:
     if device is not None:
         return device
-    device = "cuda" if cuda_gpu_available() else "cpu"
+    device = "cuda" if cuda_device.cuda_gpu_available() else "cpu"
     on_status(f"device: {device} ({'a CUDA GPU was found' if device == 'cuda' else 'no CUDA GPU found'}; "
               "pass --device to choose)")
     return device
@@ -314,12 +232,8 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                   f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}; pass --model FILE "
                   "for another")
     if device == "cuda" and options.self_check:
-        from .selfcheck import require_self_check
-
         on_status(require_self_check(backend, model_path))
-    prepare = getattr(backend, "prepare", None)  # the GPU engine compiles its prefill graphs off the clock
-    if prepare is not None:
-        prepare(len(prompt_ids), options.sampling)
+    backend.prepare(len(prompt_ids), options.sampling)
     result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
     on_text("\n")
     on_status(f"{backend.name}: {result.summary()}")

@@ -12,9 +12,8 @@ from collections.abc import Callable
 import numpy as np
 from numba import cuda
 
+from .device import l2_bytes
 from .graphs import capture
-
-L2_BYTES = 60 * 2**20  # H200; rotating through 2x this many bytes of weights keeps reads in HBM
 
 
 def time_graph(stream, enqueue: Callable[[], None], replays: int = 20) -> float:
@@ -38,7 +37,7 @@ def time_graph(stream, enqueue: Callable[[], None], replays: int = 20) -> float:
 def weight_copies(bytes_per_call: int) -> int:
     """Copies of a call's weights to rotate through so that together they exceed the L2 twice:
     every call then reads its weights from HBM, as in a real decode step or prefill."""
-    return max(1, -(-2 * L2_BYTES // bytes_per_call))
+    return max(1, -(-2 * l2_bytes() // bytes_per_call))
 
 
 def time_gemv(build, bytes_per_call: int, out_dtype, replays: int = 20) -> float:

@@ -1,7 +1,7 @@
 """CUDA graphs: record the ~200 kernel launches of a decode step once, replay them with one call.
 
 An eager Numba launch costs ~170 us of host time; the same launch inside a graph ~1.1 us
-(../shared/GPU-NOTES.md), so a 7B step of ~200 kernels goes from ~35 ms of launch overhead to
+(docs/HARDWARE.md), so a 7B step of ~200 kernels goes from ~35 ms of launch overhead to
 well under a millisecond. numba-cuda has no graph API, so this module drives the CUDA driver
 through `cuda.bindings.driver`:
 

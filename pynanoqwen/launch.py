@@ -16,18 +16,15 @@ the kernel's parameters) and then calls cuda.core's `launch` with
 minor version. Every kernel launched this way must call `grid_dependency_wait()` before it reads
 another kernel's output or writes memory another kernel reads; the kernels of the decode step do.
 
-Under the CUDA simulator (no driver) it falls back to the plain launch. `multiprocessor_count()`
-is the one place the SM count comes from: it is read from the device, never assumed.
+Under the CUDA simulator (no driver) it falls back to the plain launch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 from cuda.core import LaunchConfig
 from cuda.core import launch as core_launch
-from numba import cuda
 from numba.cuda.cudadrv import driver
 
 from .ptx import SIMULATOR
@@ -44,18 +41,6 @@ def plain_launches():
         yield
     finally:
         _programmatic[0] = True
-
-
-SIMULATED_SM_COUNT = 2  # what the CUDA simulator reports: small grids, so its tests stay fast
-
-
-@functools.cache
-def multiprocessor_count() -> int:
-    """SMs of the current GPU (132 on an H200 or H100 SXM, 114 on an H100 PCIe): persistent grids
-    are sized from it."""
-    if SIMULATOR:
-        return SIMULATED_SM_COUNT
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def _specialization(dispatcher, args):

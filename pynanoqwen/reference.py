@@ -151,11 +151,16 @@ def load_layer(weights: WeightSource, layer: int) -> LayerWeights:
     )
 
 
-def dequantized_nbytes(cfg: ModelConfig) -> int:
-    """Bytes of every decoder layer and the lm_head in float32 (what cache_layers=True keeps)."""
+def layer_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of one decoder layer in float32 (what cache_layers=False holds at a time)."""
     per_layer = sum(n * k for n, k in cfg.linear_shapes.values())
     per_layer += 2 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size  # norms and biases
-    return 4 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size)
+    return 4 * per_layer
+
+
+def dequantized_nbytes(cfg: ModelConfig) -> int:
+    """Bytes of every decoder layer and the lm_head in float32 (what cache_layers=True keeps)."""
+    return cfg.num_layers * layer_nbytes(cfg) + 4 * cfg.vocab_size * cfg.hidden_size
 
 
 # ----------------------------------------------------------------------------------------------

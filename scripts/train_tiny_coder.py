@@ -233,7 +233,7 @@ def plot(curves: dict, path: Path) -> None:
 
 
 def greedy_sample(model_path: Path, prompt: str, tokens: int) -> str:
-    from pynanoqwen.generate import CpuBackend
+    from pynanoqwen.backends import CpuBackend
     from pynanoqwen.fileformat import NanoQwenFile
     from pynanoqwen.reference import ReferenceModel
     from pynanoqwen.sampling import SamplingParams

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 U16, U32 = 2.0**-11, 2.0**-24
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
-ROOFLINE = 4.3e12  # bytes/s, H200 with 16-byte loads (../shared/GPU-NOTES.md)
+ROOFLINE = 4.3e12  # bytes/s, H200 with 16-byte loads (docs/HARDWARE.md)
 
 
 def random_int4(rng, n, k):

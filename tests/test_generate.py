@@ -13,6 +13,7 @@ import pytest
 import tokenizers
 from click.testing import CliRunner
 
+from pynanoqwen import backends, device
 from pynanoqwen import generate as gen
 from pynanoqwen.checkpoint import make_checkpoint
 from pynanoqwen.cli import main
@@ -151,7 +152,7 @@ def test_generation_stops_at_a_stop_token_which_is_not_printed(tokenizer):
     word = tokenizer.encode(" hello world")
     model = ScriptedModel(word + [im_end, 50, 51], 2048, 64)
     pieces = []
-    result = gen.generate(gen.CpuBackend(model), tokenizer, [10, 11, 12], SamplingParams(), 100, pieces.append)
+    result = gen.generate(backends.CpuBackend(model), tokenizer, [10, 11, 12], SamplingParams(), 100, pieces.append)
     assert result.tokens == word + [im_end] and result.stop_reason == "stop token"
     assert "".join(pieces) == result.text == " hello world"
     # The prompt goes in once, then each sampled token once; the stop token is never fed back.
@@ -161,15 +162,15 @@ def test_generation_stops_at_a_stop_token_which_is_not_printed(tokenizer):
 def test_max_new_tokens_and_a_full_context_end_generation(tokenizer):
     script = tokenizer.encode("abc def ghi jkl mno pqr stu")
     prompt = [20, 21, 22, 23]
-    result = gen.generate(gen.CpuBackend(ScriptedModel(script, 2048, 64)), tokenizer, prompt,
+    result = gen.generate(backends.CpuBackend(ScriptedModel(script, 2048, 64)), tokenizer, prompt,
                           SamplingParams(), 3, lambda text: None)
     assert result.tokens == script[:3] and result.stop_reason == "max-new-tokens"
     # Context 7 holds the 4 prompt tokens and 3 generated ones, whatever --max-new-tokens says.
-    result = gen.generate(gen.CpuBackend(ScriptedModel(script, 2048, 7)), tokenizer, prompt,
+    result = gen.generate(backends.CpuBackend(ScriptedModel(script, 2048, 7)), tokenizer, prompt,
                           SamplingParams(), 100, lambda text: None)
     assert result.tokens == script[:3] and result.stop_reason == "context full"
     with pytest.raises(NanoQwenError, match="leaves no room"):
-        gen.generate(gen.CpuBackend(ScriptedModel(script, 2048, 4)), tokenizer, prompt,
+        gen.generate(backends.CpuBackend(ScriptedModel(script, 2048, 4)), tokenizer, prompt,
                      SamplingParams(), 100, lambda text: None)
 
 
@@ -219,7 +220,7 @@ def test_text_streams_while_tokens_arrive_and_never_splits_a_character(tokenizer
     (["--model", "{tiny}", "--device", "cuda", "hi"], "no CUDA GPU found; use --device cpu"),
 ])
 def test_refusals_are_one_error_line(tiny_file, monkeypatch, args, message):
-    monkeypatch.setattr(gen, "cuda_gpu_available", lambda: False)
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: False)
     result = run_cli(*[a.replace("{tiny}", tiny_file) for a in args])
     assert result.exit_code == 1
     lines = result.stderr.splitlines()
@@ -243,17 +244,17 @@ def test_prompt_that_exactly_fits_generates_one_token(tiny_file, reference):
 
 
 def test_device_defaults_to_cpu_without_a_gpu_and_says_so(tiny_file, monkeypatch):
-    monkeypatch.setattr(gen, "cuda_gpu_available", lambda: False)
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: False)
     result = run_cli("--model", tiny_file, "--max-new-tokens", "1", "x")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines()[0] == "device: cpu (no CUDA GPU found; pass --device to choose)"
 
 
 def test_cuda_without_an_importable_engine_is_a_clear_error(tiny_file, monkeypatch):
-    monkeypatch.setattr(gen, "cuda_gpu_available", lambda: True)
+    monkeypatch.setattr(device, "cuda_gpu_available", lambda: True)
     monkeypatch.setitem(sys.modules, "pynanoqwen.engine", None)  # makes `from .engine import` fail
     with pytest.raises(NanoQwenError, match="GPU engine cannot be loaded.*use --device cpu"):
-        gen.load_backend(tiny_file, "cuda", 64)
+        backends.load_backend(tiny_file, "cuda", 64)
 
 
 def test_python_dash_m_streams_and_fails_cleanly(tiny_file):

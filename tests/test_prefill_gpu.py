@@ -60,8 +60,9 @@ def prefill_state(backend, ids, mode: str) -> dict:
     backend.reset(ids, SamplingParams())
     backend.prefill(n, "argmax", mode=mode)
     state = {name: array.copy_to_host(stream=s) for name, array in
-             (("logits", backend.logits), ("pos", backend.pos), ("next_free_page", backend.next_free_page),
-              ("page_table", backend.page_table), ("tokens", backend.tokens))}
+             (("logits", backend.act.logits), ("pos", backend.state.pos),
+              ("next_free_page", backend.state.next_free_page), ("page_table", backend.state.page_table),
+              ("tokens", backend.state.tokens))}
     s.synchronize()
     state["page_table"] = state["page_table"][:-(-n // PAGE_SIZE)]
     state["token"] = int(state["tokens"][n])
@@ -72,7 +73,7 @@ def kv_of_positions(backend, n: int, page_table: np.ndarray) -> tuple[np.ndarray
     """float32 K and V [layers, n, kv_heads, head_dim] of positions 0..n-1, gathered from the pages."""
     positions = np.arange(n)
     pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    k, v = backend.k_pool.copy_to_host(), backend.v_pool.copy_to_host()
+    k, v = backend.kv.k.copy_to_host(), backend.kv.v.copy_to_host()
     return (np.moveaxis(k[:, pages, :, slots], 0, 1).astype(np.float32),
             np.moveaxis(v[:, pages, :, slots], 0, 1).astype(np.float32))
 
@@ -148,19 +149,19 @@ def test_padding_rows_write_no_kv_slot(backend_small):
     ids = np.random.default_rng().integers(0, SMALL.vocab_size, n)
     backend = backend_small
     try:
-        for pool in (backend.k_pool, backend.v_pool):
+        for pool in (backend.kv.k, backend.kv.v):
             device_memset(pool, SENTINEL_BYTE, pool.nbytes, stream=backend.stream)
         table = prefill_state(backend, ids, "batched")["page_table"]
-        written = np.zeros(backend.k_pool.shape[1:4], bool)  # [pages, kv_heads, slots]
+        written = np.zeros(backend.kv.k.shape[1:4], bool)  # [pages, kv_heads, slots]
         positions = np.arange(n)
         written[table[positions // PAGE_SIZE], :, positions % PAGE_SIZE] = True
         sentinel = np.uint16(SENTINEL_BYTE * 0x101)
-        for pool in (backend.k_pool, backend.v_pool):
+        for pool in (backend.kv.k, backend.kv.v):
             bits = pool.copy_to_host().view(np.uint16)
             assert (bits[:, ~written] == sentinel).all(), "a slot outside the prompt was written"
             assert (bits[:, written] != sentinel).all(), "a prompt position was not written"
     finally:  # leave the pool as the engine keeps it: no NaN bit patterns
-        for pool in (backend.k_pool, backend.v_pool):
+        for pool in (backend.kv.k, backend.kv.v):
             device_memset(pool, 0, pool.nbytes, stream=backend.stream)
         backend.stream.synchronize()
 
@@ -193,11 +194,11 @@ def greedy_after_prefill(backend, ids, new_tokens: int, mode: str) -> tuple[list
     n, s = len(ids), backend.stream
     backend.reset(ids, SamplingParams())
     backend.prefill(n, "argmax", mode=mode)
-    logits = [backend.logits.copy_to_host(stream=s)]
+    logits = [backend.act.logits.copy_to_host(stream=s)]
     for position in range(n, n + new_tokens - 1):
         backend.step(position, "argmax")
-        logits.append(backend.logits.copy_to_host(stream=s))
-    tokens = backend.tokens.copy_to_host(stream=s)
+        logits.append(backend.act.logits.copy_to_host(stream=s))
+    tokens = backend.state.tokens.copy_to_host(stream=s)
     s.synchronize()
     return [int(t) for t in tokens[n:n + new_tokens]], logits  # tokens[n + j] comes from logits[j]
 

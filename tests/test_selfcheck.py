@@ -1,9 +1,10 @@
 """The self-check's numpy side (pynanoqwen/selfcheck.py) on a stand-in for the GPU: a float32/FP16
-numpy emulation of CudaBackend.probed_step, written here from the engine's documented buffers.
+numpy emulation of the engine's probes (tests/emulated_engine.py), written from its documented buffers.
 
 It must pass what a correct engine produces, and fail, naming the kernel and layer, on each kind
 of wrong result a broken kernel gives: a sign error in one layer's weights, RoPE at the wrong
-angle, attention that ignores a key, a wrong embedding row, a wrong greedy token, a wrong norm.
+angle, attention that ignores a key, a wrong embedding row, a wrong greedy token, a wrong norm;
+in the decode step and in the prefill chunk.
 """
 
 import dataclasses
@@ -11,93 +12,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pynanoqwen.kernels.page_alloc import PAGE_SIZE
-from pynanoqwen.quant import dequantize_int4
-from pynanoqwen.reference import InMemoryWeights, rope_tables
-from pynanoqwen.selfcheck import POSITION, check_probed_step
+from emulated_engine import EmulatedEngine, emulate_probed_prefill, emulate_probed_step, f16
+from pynanoqwen.reference import InMemoryWeights
+from pynanoqwen.selfcheck import check_probed_prefill, check_probed_step
 from pynanoqwen.synthetic import SyntheticWeights
-from pynanoqwen.tensors import QWEIGHT, SCALES, layer_prefix
+from pynanoqwen.tensors import SCALES, layer_prefix
 
 
 def tiny_weights(lm_head_int4: bool, seed: int) -> InMemoryWeights:
     source = SyntheticWeights("tiny", seed=seed, lm_head_int4=lm_head_int4, workers=1)
     return InMemoryWeights(source.config, lm_head_int4, {name: source.tensor(name) for name in source.names})
-
-
-def f16(x):
-    return np.asarray(x, np.float32).astype(np.float16)
-
-
-def emulate_probed_step(weights, first: int, token: int, *, fused_norm: bool = True, rope_position: int = POSITION,
-                        attend_all: bool = True) -> dict:
-    """What CudaBackend.probed_step returns, computed in numpy with the engine's buffer types."""
-    cfg = weights.config
-    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def linear(name, x):
-        w = dequantize_int4(weights.tensor(name + QWEIGHT), weights.tensor(name + SCALES), np.float64)
-        return w @ np.asarray(x, np.float64)
-
-    def norm(h, name):
-        h64 = h.astype(np.float64)
-        return f16(h64 / np.sqrt(np.mean(h64 * h64) + cfg.rms_norm_eps) * weights.tensor(name).astype(np.float64))
-
-    pages = np.zeros((cfg.num_layers, 2, kv_heads, PAGE_SIZE, hd), np.float16)
-    captured = {}
-    for position, tok in enumerate((first, token)):
-        keep = position == POSITION
-        h = weights.tensor("model.embed_tokens.weight")[tok].astype(np.float32)
-        if keep:
-            captured[None, "embedding"] = {"h": h.copy()}
-        for layer in range(cfg.num_layers):
-            p = layer_prefix(layer)
-            stages = {}
-            xn = norm(h, p + "input_layernorm.weight")
-            stages["input_norm"] = {"xn": xn}
-            qkv = np.concatenate([linear(f"{p}self_attn.{m}_proj.weight", xn)
-                                  + weights.tensor(f"{p}self_attn.{m}_proj.bias") for m in "qkv"]).astype(np.float32)
-            stages["qkv"] = {"qkv": qkv}
-            cos, sin = (t[0, :hd // 2] for t in rope_tables(hd, cfg.rope_theta, [rope_position if keep else 0]))
-            parts = qkv.reshape(heads + 2 * kv_heads, hd)
-            x1, x2 = parts[:, :hd // 2], parts[:, hd // 2:]
-            rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], 1).astype(np.float32)
-            pages[layer, 0, :, position] = f16(rotated[heads:heads + kv_heads])
-            pages[layer, 1, :, position] = f16(parts[heads + kv_heads:])
-            stages["rope_kv_write"] = {"q": rotated[:heads].copy(), "k_page": pages[layer, 0].copy(),
-                                       "v_page": pages[layer, 1].copy()}
-            first_key = 0 if attend_all or not keep else position
-            keys = pages[layer, 0, :, first_key:position + 1].astype(np.float64)
-            values = pages[layer, 1, :, first_key:position + 1].astype(np.float64)
-            q = rotated[:heads].astype(np.float64).reshape(kv_heads, heads // kv_heads, hd)
-            scores = np.einsum("kgd,kcd->kgc", q, keys) / np.sqrt(hd)
-            probs = np.exp(scores - scores.max(-1, keepdims=True))
-            attn = f16((np.einsum("kgc,kcd->kgd", probs, values) / probs.sum(-1)[..., None]).reshape(-1))
-            stages["attention"] = {"attn": attn}
-            h = (h + linear(p + "self_attn.o_proj.weight", attn)).astype(np.float32)
-            stages["o_proj"] = {"h": h.copy()}
-            xn = norm(h, p + "post_attention_layernorm.weight")
-            stages["post_attention_norm"] = {"xn": xn}
-            g, u = linear(p + "mlp.gate_proj.weight", xn), linear(p + "mlp.up_proj.weight", xn)
-            mlp = f16(g / (1 + np.exp(-g)) * u)
-            stages["gate_up"] = {"mlp": mlp}
-            h = (h + linear(p + "mlp.down_proj.weight", mlp)).astype(np.float32)
-            stages["down"] = {"h": h.copy()}
-            if keep:
-                for stage, buffers in stages.items():
-                    if fused_norm and stage.endswith("norm"):
-                        continue
-                    captured[layer, stage] = buffers
-    xn = norm(h, "model.norm.weight")
-    if weights.lm_head_int4:
-        logits = linear("lm_head.weight", xn)
-    else:
-        table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = weights.tensor(table).astype(np.float64) @ xn.astype(np.float64)
-    if not fused_norm or not weights.lm_head_int4:
-        captured[None, "final_norm"] = {"xn": xn}
-    captured[None, "lm_head"] = {"logits": logits.astype(np.float32)}
-    captured[None, "sampler"] = {"tokens": np.array([first, token, int(np.argmax(logits))], np.int32)}
-    return captured
 
 
 def failures(checks):
@@ -123,7 +47,7 @@ def test_a_correct_step_passes(weights, path, fused_norm):
         for stage in ("qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "down"):
             assert f"layer {layer} {stage}" in names
     assert {"embedding", "lm_head", "sampler"} <= names
-    assert (f"layer 0 input norm" in names) == (not fused_norm)
+    assert ("layer 0 input norm" in names) == (not fused_norm)
 
 
 def negated_scales(weights, tensor: str) -> InMemoryWeights:
@@ -174,16 +98,42 @@ def test_a_wrong_rmsnorm_output_fails():
     assert "layer 1 post attention norm" in failures(check_probed_step(weights, captured, 5, "prmt", rng))
 
 
-class EmulatedBackend:
-    """A stand-in for CudaBackend: probed_step from the emulation, on possibly broken weights."""
+def random_prompt(weights, rng, length=24):
+    return [int(t) for t in rng.integers(0, weights.config.vocab_size, length)]
 
-    gemv = "prmt"
 
-    def __init__(self, weights):
-        self.weights = weights
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_a_correct_prefill_chunk_passes(weights, path):
+    rng = np.random.default_rng()
+    prompt = random_prompt(weights, rng)
+    checks = check_probed_prefill(weights, emulate_probed_prefill(weights, prompt), prompt, path, rng)
+    assert failures(checks) == []
+    names = {c.name for c in checks}
+    for layer in range(weights.config.num_layers):
+        for stage in ("input norm", "qkv", "rope_kv_write", "attention", "o_proj", "post attention norm", "gate_up",
+                      "down"):
+            assert f"layer {layer} {stage}" in names
+    assert {"page_alloc", "embedding", "last_row", "lm_head", "sampler"} <= names
 
-    def probed_step(self, first, token):
-        return emulate_probed_step(self.weights, first, token)
+
+@pytest.mark.parametrize("module, stage", [("self_attn.k_proj", "qkv"), ("self_attn.o_proj", "o_proj"),
+                                           ("mlp.gate_proj", "gate_up"), ("mlp.down_proj", "down")])
+def test_a_sign_error_in_the_prefill_gemms_is_named(weights, module, stage):
+    rng = np.random.default_rng()
+    prompt = random_prompt(weights, rng)
+    broken = negated_scales(weights, layer_prefix(0) + module + ".weight")
+    checks = check_probed_prefill(weights, emulate_probed_prefill(broken, prompt), prompt, "prmt", rng)
+    assert failures(checks)[0] == f"layer 0 {stage}"
+
+
+def test_prefill_attention_that_skips_a_key_and_a_wrong_hand_over_fail(weights):
+    rng = np.random.default_rng()
+    prompt = random_prompt(weights, rng)
+    checks = check_probed_prefill(weights, emulate_probed_prefill(weights, prompt, attend_all=False), prompt,
+                                  "prmt", rng)
+    assert {f"layer {i} attention" for i in range(weights.config.num_layers)} <= set(failures(checks))
+    checks = check_probed_prefill(weights, emulate_probed_prefill(weights, prompt, last_row=-2), prompt, "prmt", rng)
+    assert failures(checks)[0] == "last_row"
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +154,10 @@ def test_require_self_check_passes_a_correct_engine_and_stops_a_broken_one(tiny_
     from pynanoqwen.selfcheck import require_self_check
 
     path, weights = tiny_file
-    assert require_self_check(EmulatedBackend(weights), path).startswith("self-check passed")
+    assert require_self_check(EmulatedEngine(weights), path).startswith("self-check passed")
     broken = negated_scales(weights, layer_prefix(1) + "mlp.gate_proj.weight")
     with pytest.raises(NanoQwenError, match="self-check FAILED .*layer 1 gate_up.*--skip-selfcheck"):
-        require_self_check(EmulatedBackend(broken), path)
+        require_self_check(EmulatedEngine(broken), path)
 
 
 def test_generate_runs_the_self_check_on_the_gpu_only_unless_skipped(tiny_file, monkeypatch):
@@ -219,7 +169,7 @@ def test_generate_runs_the_self_check_on_the_gpu_only_unless_skipped(tiny_file, 
 
     path, weights = tiny_file
 
-    class Fake(EmulatedBackend):
+    class Fake(EmulatedEngine):
         name, max_context = "fake cuda", 64
 
         def generate(self, prompt_ids, params, max_new_tokens, stop_ids):

@@ -22,7 +22,8 @@ from pynanoqwen.cli import main
 from pynanoqwen.data import EMBEDDED_MODEL, corpus_files, held_out_prompts, is_held_out
 from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.tokenizer import Tokenizer
-from pynanoqwen.validate import reference_greedy, transformers_greedy, transformers_model
+from pynanoqwen.transformers_adapter import transformers_greedy, transformers_model
+from pynanoqwen.validate import reference_greedy
 
 PROMPTS = 100
 PROMPT_TOKENS = 24

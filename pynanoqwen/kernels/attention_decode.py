@@ -68,8 +68,9 @@ import math
 import numpy as np
 from numba import cuda, types
 
+from ..device import sm_count
 from ..errors import ConfigError
-from ..launch import launch, multiprocessor_count
+from ..launch import launch
 from ..ptx.bulk_copy import bulk_copy_to_shared
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, half2_to_float2
@@ -78,9 +79,8 @@ from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_
     mbarrier_wait
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor, syncwarp, warp_max, warp_sum
-from . import CompileTarget
+from . import PAGE_SIZE, CompileTarget
 
-PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
 CONSUMERS = 4  # consumer warps per block
 STAGES = 8  # pages in the ring: two per consumer, so each one's next page is on its way
 MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
@@ -89,9 +89,9 @@ MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen
 U = np.uint32
 
 
-def default_num_splits(num_kv_heads: int, sm_count: int | None = None) -> int:
+def default_num_splits(num_kv_heads: int, sms: int | None = None) -> int:
     """Splits per KV head so that the grid has about one block per SM (of this GPU, by default)."""
-    return max(1, (multiprocessor_count() if sm_count is None else sm_count) // num_kv_heads)
+    return max(1, (sm_count() if sms is None else sms) // num_kv_heads)
 
 
 def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,

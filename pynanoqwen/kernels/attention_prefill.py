@@ -48,7 +48,8 @@ reach O through 0 * NaN. Rows are padded from head_dim / 2 to head_dim / 2 + 4 w
 8 row addresses of one ldmatrix matrix fall in 8 different 16-byte bank groups (no conflicts):
 2 x 2 x 32 x 272 B = 34 KiB of shared memory per block at head_dim 128.
 
-Cost model (predicted, not measured; tests/test_attention_prefill_gpu.py prints the real figures).
+Cost model (predicted; the measured times are in docs/PERFORMANCE.md, and
+tests/test_attention_prefill_gpu.py prints them).
 The causal work at 7B is 4 * head_dim * num_heads * sum_i (start + i + 1) FLOP per layer
 (`attention_flops`): 1.9 GFLOP at m = 512, 30 GFLOP at m = 2048, 90 GFLOP for a second 2048-row
 chunk (start = 2048), 481 GFLOP for 8192 rows in one pass; the layer's INT4 GEMMs are 0.47 GFLOP
@@ -74,9 +75,8 @@ from ..ptx.half2 import float2_to_half2
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor
-from . import CompileTarget
+from . import PAGE_SIZE, CompileTarget
 
-PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
 KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
 STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head

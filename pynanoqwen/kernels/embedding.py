@@ -7,8 +7,7 @@ memory, so the same captured CUDA graph serves every step (docs/DECODE.md). Duri
 
 Launch: ceil(hidden / 128) blocks of 128 threads, one thread per hidden element. One row of the
 FP16 table is read (7 KiB at hidden 3584) and widened to the float32 residual stream `h`: the
-kernel is launch latency, not bandwidth. Measured on the H200 (bench's kernel table, 7B): 3.0-3.9 us a
-launch inside a graph.
+kernel is launch latency, not bandwidth (bench's kernel table: docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -4,28 +4,29 @@ X is float16 [M, K] (M = prompt tokens, row-major); W is an INT4 linear in the V
 layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128]). Prefill of a
 512-token prompt through the 7B model is ~7.8 TFLOP: tensor-core work, not the GEMV's
 bandwidth problem. The weights are dequantized on the fly, in registers, straight into a tensor-core
-operand. Two kernels do it, chosen by the tile shape (`default_tiles_for`):
+operand. Two kernels do it, chosen by the tile shape (gemm_int4_tiles.py, `default_tiles_for`):
 - WgmmaTile shapes: Hopper's asynchronous warpgroup MMA (gemm_int4_wgmma.py), for every prompt
   bucket beyond 16 tokens: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table).
 - TileShape shapes: `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style, this
-  module's kernel, described below: SMALL for up to 16 tokens, and LARGE for shapes no wgmma tile
-  fits (and as the reference row of bench's table). It peaks near 270 TFLOP/s: mma.sync does not
-  reach the Hopper tensor cores' rate.
+  module's kernel, described below: SMALL, for up to 16 tokens and for shapes no wgmma tile fits.
+  mma.sync does not reach the Hopper tensor cores' rate: its large 128 x 128 tile peaked near 270
+  TFLOP/s and lost to wgmma at every 7B shape from M = 64 (docs/PERFORMANCE.md), so it left the
+  product for dev/gemm_mma_sync_large.py, with its own check and timing.
 Both share the API, the operands and the epilogues; the factories below build either.
 
 Launch shape (mma.sync). grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N
 threads. Block (i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x
 share a weight tile, so it comes from DRAM once. Each warp owns a WARP_M x WARP_COLS piece of the
 block's output: WARP_M / 16 x WARP_COLS / 8 mma tiles, each lane holding 4 FP32 accumulators per
-tile. `LARGE` is 128 x 128 with 4 warps of 64 x 64: 128 accumulators and 64 mma per warp per
+tile. `SMALL` is 16 x 128 with 4 warps of 16 x 32: 16 accumulators and 8 mma per warp per
 32-wide k step. The fused gate/up projection is the same kernel with two weight matrices: a block
-reads 64 rows of Wg and the same 64 rows of Wu, and each warp's tiles come in pairs (gate, up)
+reads BLOCK_N / 2 rows of Wg and the same rows of Wu, and each warp's tiles come in pairs (gate, up)
 covering the same output columns, so the epilogue finds silu(g) * u in one lane's registers.
 
 The k order is ours to choose. mma sums over k, so any permutation of k that A and B share gives
 the same product. Lane (g, t) must hold B[k, n = g] for k = 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of
 each 16-wide k step, and one packed word holds 8 consecutive k of one weight row, which the prmt
-unpack (gemv_int4.dot8_prmt's steps) turns into the half2 pairs (k0, k1), (k2, k3), (k4, k5),
+unpack (int4_unpack.unpack8) turns into the half2 pairs (k0, k1), (k2, k3), (k4, k5),
 (k6, k7). So over a 32-wide k tile, lane (g, t) takes word t of weight row g: pairs 0, 1 serve as
 its b0, b1 of the first mma step and pairs 2, 3 of the second. The A fragment must follow the same
 map: lane (g, t) needs X[g, 8t..8t+7] (and row g+8), which is one 16-byte shared-memory load
@@ -36,8 +37,8 @@ by the group scale). The scales of the next 128-wide group are fetched into regi
 ahead.
 
 Pipeline. Shared memory holds STAGES (4) k tiles: the activation tile BLOCK_M x 32 float16 (64
-bytes per row) and the packed weight tile BLOCK_N x 4 words (16 bytes per row), 10 KiB per stage
-for LARGE, 40 KiB in all (under the 48 KiB of static shared memory). Every thread issues 16-byte
+bytes per row) and the packed weight tile BLOCK_N x 4 words (16 bytes per row), 3 KiB per stage
+for SMALL, 12 KiB in all (under the 48 KiB of static shared memory). Every thread issues 16-byte
 `cp.async.cg` copies for its share of a stage and commits them as one group; in step kt it waits
 until tile kt has landed (wait_group STAGES-2), passes one barrier, which also tells it that every
 warp is done with the stage about to be refilled, issues tile kt + STAGES - 1 and computes tile kt.
@@ -50,18 +51,15 @@ Epilogues (closure constants, one kernel build each): `plain` out = XW^T; `bias`
 (QKV, FP16 bias); `residual` out += XW^T (o_proj, down_proj into the float32 residual stream);
 `gate_up_silu` out (float16) = silu(X Wg^T) * (X Wu^T). Output float32 or float16 [M, N].
 
-Cost per 32-wide k tile and warp of LARGE: 64 mma, 8 ld.shared.v4 + 8 ld.shared.b32, 8 words
-unpacked (112 ALU instructions), ~5 cp.async; 226-228 registers (ptxas), so two 4-warp blocks fit
-an SM. Per block and k tile it moves 8 KiB of activations and 2 KiB of weights from L2 for 1 MFLOP.
-Measured on the H200 (bench/logs/2026-11-30-gemm-first-run.log, tests/test_gemm_gpu.py): 269
-TFLOP/s on gate_up at M = 512 and 2048, 160-176 on o_proj and down_proj at M = 512, of the ~790
-the H200 reaches in bf16 through PyTorch (wgmma; mma.sync cannot reach that).
+Cost per 32-wide k tile and warp of SMALL: 8 mma, 2 ld.shared.v4 + 4 ld.shared.b32, 4 words
+unpacked, ~2 cp.async. Per block and k tile it moves 1 KiB of activations and 2 KiB of weights
+from L2. At M <= 16 a block's work is mostly its weight tile: the kernel is bound by reading the
+weights, as a GEMV is. Whether a 64-token wgmma tile, three quarters padding there, beats it has
+not been measured yet: dev/gemm_small_vs_wgmma.py times the two (docs/PERFORMANCE.md).
 
-Split-K (wgmma tiles with `splits` > 1, WG2_T128_SPLIT_K): each block runs over a share of K and
-adds its partial product into the float32 residual with atomic adds, multiplying the blocks where N
-alone leaves SMs idle. Only the residual epilogue can do this (it already adds into `out`); the sum
-order of the partials is whichever block finishes first, so results differ in the last bits between
-runs. That is why no default uses it (default_tiles_for); bench's table still times it.
+Split-K, which adds partial products over shares of K into the residual atomically, is
+dev/gemm_wgmma_split_k.py's: the order of those adds is whichever block finishes first, so results
+would differ in the last bits from run to run, and no default may do that.
 
 API (the prefill path builds these once per layer):
 
@@ -77,7 +75,6 @@ from m and the shape (`default_tiles_for`) unless the factory was given `tiles=`
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -89,142 +86,28 @@ from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ld_shared_v4_u32, mma_m16n8k16
-from ..ptx.prmt import prmt
 from . import CompileTarget, on_device
+from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
+    TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, matrices_of
 from .gemm_int4_wgmma import WgmmaTile, wgmma_gemm_kernel
-from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
-    SELECT_BYTES_0_1, SELECT_BYTES_2_3
+from .int4_unpack import unpack8
 
 U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
 
-K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
-A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
-B_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (16 bytes)
 CHUNK_WORDS = 4  # one cp.async or ld.shared.v4: 16 bytes
-TILES_PER_GROUP = GROUP_SIZE // K_TILE  # k tiles sharing one scale
 EPILOGUES = ("plain", "bias", "residual", "gate_up_silu")
-STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory (cuda.shared.array) limit
-
-
-@dataclasses.dataclass(frozen=True)
-class TileShape:
-    """A block's tile: BLOCK_M activation rows x BLOCK_N weight rows (all matrices together),
-    split over WARPS_M x WARPS_N warps; STAGES k tiles in flight."""
-
-    block_m: int
-    block_n: int
-    warps_m: int
-    warps_n: int
-    stages: int = 4
-    splits = 1  # no split-K in the mma.sync kernel (the launcher reads it)
-
-    def check(self, matrices: int) -> None:
-        """Raise ValueError unless every warp gets whole 16 x 8 mma tiles (of each matrix), the
-        prologue's STAGES - 1 tiles fit in the smallest K (one group) and the ring in 48 KiB."""
-        warp_m, warp_n = self.block_m // self.warps_m, self.block_n // self.warps_n
-        if self.block_m % (16 * self.warps_m) or self.block_n % (8 * matrices * self.warps_n) \
-                or warp_n % (8 * matrices) or not 2 <= self.stages <= TILES_PER_GROUP + 1 \
-                or self.shared_bytes > STATIC_SHARED_BYTES:
-            raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
-                             f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
-                             f"{STATIC_SHARED_BYTES} bytes of shared memory")
-
-    def fits(self, n: int, k: int, matrices: int) -> bool:
-        """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""
-        try:
-            self.check(matrices)
-        except ValueError:
-            return False
-        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
-    @property
-    def shared_bytes(self) -> int:
-        return 4 * self.stages * (self.block_m * A_ROW_WORDS + self.block_n * B_ROW_WORDS)
-
-    dynamic_shared_bytes = 0  # the ring is a static shared array
-
-
-LARGE = TileShape(128, 128, 2, 2)  # warps of 64 x 64: mma.sync's fastest at M = 512 and 2048
-SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
-# wgmma tiles (gemm_int4_wgmma.py): warpgroups of 64 weight rows x tokens per block
-WG1_T64 = WgmmaTile(1, 64, stages=6)  # 64 weight rows x 64 tokens: short prompts
-WG1_T128 = WgmmaTile(1, 128)  # 64 x 128
-WG2_T128 = WgmmaTile(2, 128)  # 128 x 128: the token tile serves two warpgroups
-WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: long prompts
-WG2_T128_SPLIT_K = WgmmaTile(2, 128, splits=2)  # WG2_T128 over two halves of K (residual GEMMs)
-TILE_NAMES = {SMALL: "small", LARGE: "large", WG1_T64: "wgmma_64x64", WG1_T128: "wgmma_64x128",
-              WG2_T128: "wgmma_128x128", WG2_T256: "wgmma_128x256", WG2_T128_SPLIT_K: "wgmma_128x128_split_k"}
-"""Every tile bench's GEMM table times; the name says weight rows x tokens of a wgmma block."""
-
-
-def matrices_of(epilogue: str) -> int:
-    """Weight matrices a GEMM with this epilogue reads: gate and up for gate_up_silu, else one."""
-    return 2 if epilogue == "gate_up_silu" else 1
-
-
-def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
-    """Every tile shape (of TILE_NAMES, or of `tiles_to_try`) that can compute an N x K linear
-    with this epilogue (split-K only where the epilogue adds into `out`): what bench's GEMM table
-    times and default_tiles_for picks from."""
-    return [tiles for tiles in (TILE_NAMES if tiles_to_try is None else tiles_to_try)
-            if tiles.fits(n, k, matrices_of(epilogue)) and (tiles.splits == 1 or epilogue == "residual")]
-
-
-SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
-LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win (bench's GEMM table at M = 2048)
-
-
-def default_tiles_for(m: int, n: int, k: int, epilogue: str):
-    """The tile for M activation rows of an N x K linear with this epilogue.
-
-    mma.sync's SMALL to M = 16; beyond, the fastest wgmma tile without split-K in bench's GEMM
-    table on the H200 (bench/logs/2026-11-30-session3; us at M = 64 / 128 / 512 / 2048):
-    - qkv: WG1_T64 to SHORT_PROMPT_ROWS (18.4 / 24.6), then WG1_T128 (48.4 / 148.3);
-    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS (o 18.6 / 18.7, down 96.9 / 97.7), WG2_T128
-      below LONG_PROMPT_ROWS (34.8, 169.1), WG2_T256 from there (138.5, 588.3);
-    - gate_up: WG1_T64 to 64 rows (64.8), WG1_T128 below LONG_PROMPT_ROWS (93.6 / 319.9), WG2_T256
-      from there (1142.5).
-    Split-K (WG2_T128_SPLIT_K) was faster for down_proj at 64 and 128 rows (82.3 / 84.2) but adds
-    its partial sums atomically in whatever order the blocks finish, so a prompt's logits would
-    change in the last bits from run to run, and graph and eager runs would stop agreeing token for
-    token (validate's graph tier caught exactly that on the 7B file): the defaults stay
-    deterministic. mma.sync's best at 64 / 512 / 2048 for comparison: qkv 52.8 / 103.6 / 297.4,
-    o_proj 55.9 / 66.8 / 226.7, gate_up 107.1 / 515.8 / 2065.5, down 282.4 / 305.2 / 1053.8 (SMALL to
-    16 rows has not been compared). A tile that does not fit the shape (a tiny model's) falls back
-    to LARGE.
-    """
-    if m <= 16:
-        return SMALL
-    if epilogue == "gate_up_silu":
-        tiles = WG1_T64 if m <= 64 else WG1_T128 if m < LONG_PROMPT_ROWS else WG2_T256
-    elif m <= SHORT_PROMPT_ROWS:
-        tiles = WG1_T64
-    elif epilogue == "residual":
-        tiles = WG2_T128 if m < LONG_PROMPT_ROWS else WG2_T256
-    else:
-        tiles = WG1_T128
-    return tiles if tiles.fits(n, k, matrices_of(epilogue)) else LARGE
 
 
 @cuda.jit(device=True, inline="always")
 def dequantize8(word, scale):
     """The 8 weights of one packed word times the half2 scale (s, s): four half2, input order.
 
-    prmt drops two bytes under the FP16 exponent 0x64 (1024.0); the AND keeps the low or the high
-    nibbles; one exact fma removes the offset (u - 8, see gemv_int4.py); one fma multiplies by
-    the scale (the only rounding: to FP16, |error| <= 2^-11 |w|).
+    The unpack (int4_unpack.py) gives the exact u - 8; one fma multiplies by the scale (the only
+    rounding: to FP16, |error| <= 2^-11 |w|).
     """
-    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_0_1)
-    w01 = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), scale, U(0))
-    w23 = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), scale, U(0))
-    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_2_3)
-    w45 = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), scale, U(0))
-    w67 = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), scale, U(0))
-    return w01, w23, w45, w67
+    w01, w23, w45, w67 = unpack8(word)
+    return (fma_f16x2(w01, scale, U(0)), fma_f16x2(w23, scale, U(0)), fma_f16x2(w45, scale, U(0)),
+            fma_f16x2(w67, scale, U(0)))
 
 
 def gemm_kernel(n: int, k: int, tiles, epilogue: str):
@@ -408,19 +291,20 @@ def allow_dynamic_shared(kernel, out_dtype, nbytes: int) -> None:
 
     if (kernel, out_dtype) in _shared_limits_raised:
         return
-    signature = _signature(types.float16 if out_dtype == np.float16 else types.float32)
+    signature = gemm_signature(types.float16 if out_dtype == np.float16 else types.float32)
     function = kernel.compile(signature)._codelibrary.get_cufunc()
     attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
     _shared_limits_raised.add((kernel, out_dtype))
 
 
-class _Launcher:
-    """What every GEMM object does at launch: check the operands, pick the tile, flatten, launch."""
+class GemmTiling:
+    """An N x K GEMM's tiling, which both GEMM objects share: the tile for each M (the one given, or
+    default_tiles_for's), the operand checks, and the grid of a launch."""
 
     def __init__(self, n: int, k: int, tiles: TileShape | None, matrices: int, out_dtype: str):
         self.n, self.k, self.tiles, self.matrices, self.out_dtype = n, k, tiles, matrices, out_dtype
-        for shape in ((tiles,) if tiles else (SMALL, LARGE)):  # the wgmma tiles only where they fit
+        for shape in ((tiles,) if tiles else (SMALL,)):  # SMALL serves every M; the wgmma tiles only where they fit
             shape.check(matrices)
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
@@ -435,7 +319,7 @@ class _Launcher:
             raise ValueError(f"out must be {self.out_dtype} [>= {m}, {self.n}], got {out.dtype} {tuple(out.shape)}")
         if m < 1:
             return
-        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices), tiles.splits)
+        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
         shared = tiles.dynamic_shared_bytes
         if shared > STATIC_SHARED_BYTES:
             allow_dynamic_shared(kernel, out.dtype, shared)
@@ -450,7 +334,7 @@ class Int4Gemm:
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
         self.n, self.k, self.out_dtype = n, k, out_dtype
-        self._launcher = _Launcher(n, k, tiles, 1, out_dtype)
+        self.tiling = GemmTiling(n, k, tiles, 1, out_dtype)
         self.qweight, self.scales = _weights(n, k, qweight, scales)
         self.bias = None if bias is None else on_device(bias, np.float16)
         if self.bias is not None and tuple(self.bias.shape) != (n,):
@@ -462,14 +346,14 @@ class Int4Gemm:
         if residual and (self.out_dtype != "float32" or self.bias is not None):
             raise ValueError("a residual GEMM accumulates into float32 and takes no bias")
         epilogue = "residual" if residual else ("bias" if self.bias is not None else "plain")
-        tiles = self._launcher.tiles_for(m, epilogue)
+        tiles = self.tiling.tiles_for(m, epilogue)
         return gemm_kernel(self.n, self.k, tiles, epilogue), tiles
 
     def launch(self, stream, x, out, m: int, *, residual: bool = False) -> None:
         """out[:m] = x[:m] W^T (+ bias), or out[:m] += x[:m] W^T when residual."""
         kernel, tiles = self.kernel(m, residual)
         bias = self._unused_bias if self.bias is None else self.bias
-        self._launcher.launch(stream, kernel, tiles, x, out, m, self.qweight, self.scales, self.qweight,
+        self.tiling.launch(stream, kernel, tiles, x, out, m, self.qweight, self.scales, self.qweight,
                               self.scales, bias)
 
 
@@ -478,19 +362,19 @@ class GateUpSiluGemm:
 
     def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, tiles=None):
         self.n, self.k = n, k
-        self._launcher = _Launcher(n, k, tiles, 2, "float16")
+        self.tiling = GemmTiling(n, k, tiles, 2, "float16")
         self.gate_q, self.gate_s = _weights(n, k, gate_q, gate_s)
         self.up_q, self.up_s = _weights(n, k, up_q, up_s)
         self._unused_bias = cuda.device_array(1, np.float16)
 
     def kernel(self, m: int):
-        tiles = self._launcher.tiles_for(m, "gate_up_silu")
+        tiles = self.tiling.tiles_for(m, "gate_up_silu")
         return gemm_kernel(self.n, self.k, tiles, "gate_up_silu"), tiles
 
     def launch(self, stream, x, out, m: int) -> None:
         """out[:m] (float16 [>= m, N]) = silu(x[:m] Wg^T) * (x[:m] Wu^T)."""
         kernel, tiles = self.kernel(m)
-        self._launcher.launch(stream, kernel, tiles, x, out, m, self.gate_q, self.gate_s, self.up_q,
+        self.tiling.launch(stream, kernel, tiles, x, out, m, self.gate_q, self.gate_s, self.up_q,
                               self.up_s, self._unused_bias)
 
 
@@ -509,7 +393,8 @@ def gemm_flops(m: int, n: int, k: int, matrices: int = 1) -> int:
     return 2 * m * n * k * matrices
 
 
-def _signature(out=types.float32):
+def gemm_signature(out=types.float32):
+    """The Numba signature of gemm_kernel's kernels, output float32 or float16."""
     words, bits = types.uint32[::1], types.uint16[::1]
     return types.void(words, types.uint32, words, bits, words, bits, types.float16[::1], out[::1])
 
@@ -521,16 +406,15 @@ def compile_targets() -> list[CompileTarget]:
     feed = ("cp.async.cg.shared.global", "ld.shared.v4.u32", "prmt.b32", "fma.rn.f16x2")
     targets = []
     for name, n, k, epilogue, tiles, out in (
-            ("qkv", qkv, hidden, "bias", LARGE, types.float32),
-            ("o_proj", hidden, hidden, "residual", LARGE, types.float32),
-            ("gate_up", intermediate, hidden, "gate_up_silu", LARGE, types.float16),
-            ("down_proj", hidden, intermediate, "residual", LARGE, types.float32),
+            ("qkv", qkv, hidden, "bias", SMALL, types.float32),
+            ("o_proj", hidden, hidden, "residual", SMALL, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", SMALL, types.float16),
-            ("tiny, float16 out", 256, 256, "plain", LARGE, types.float16),
+            ("down_proj", hidden, intermediate, "residual", SMALL, types.float32),
+            ("tiny, float16 out", 256, 256, "plain", SMALL, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T128, types.float32),
             ("o_proj", hidden, hidden, "residual", WG2_T128, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG1_T128, types.float16),
-            ("down_proj", hidden, intermediate, "residual", WG2_T128_SPLIT_K, types.float32),
+            ("down_proj", hidden, intermediate, "residual", WG2_T128, types.float32),
             ("down_proj", hidden, intermediate, "residual", WG2_T256, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
@@ -544,5 +428,5 @@ def compile_targets() -> list[CompileTarget]:
         else:
             must, cc = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",) + feed, (9, 0)
         targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
-                                     gemm_kernel(n, k, tiles, epilogue), _signature(out), must, cc=cc))
+                                     gemm_kernel(n, k, tiles, epilogue), gemm_signature(out), must, cc=cc))
     return targets

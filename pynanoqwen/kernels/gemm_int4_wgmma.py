@@ -12,7 +12,7 @@ unpacked in registers anyway, so they are A: the product is computed transposed,
 into the 128-byte-swizzled layout the wgmma descriptor reads (chunk c of token row r at chunk
 position c ^ (r % 8)), which is also free of bank conflicts for the copies.
 
-Launch shape. grid = (ceil(M / TOKENS), N / COLS, SPLITS), block = 128 x WARPGROUPS threads.
+Launch shape. grid = (ceil(M / TOKENS), N / COLS), block = 128 x WARPGROUPS threads.
 Each warpgroup owns 64 weight rows; the block's X tile (TOKENS tokens) is shared by its
 warpgroups. For the fused gate/up projection each warp's 16 rows are 8 gate rows (fragment rows
 0-7) and the up rows of the same 8 output columns (rows 8-15), so lane (g, t) holds gate and up of
@@ -37,7 +37,7 @@ and odd tiles unpack into different registers, which the in-flight wgmma of the 
 reads.
 
 Epilogues as in gemm_int4.py: `plain`, `bias` (QKV), `residual` (out += XW^T into the float32
-residual; split-K blocks add atomically), `gate_up_silu` (float16 out). Rows of X past M are
+residual), `gate_up_silu` (float16 out). Rows of X past M are
 zero-filled by the copies; only the epilogue checks tokens.
 
 Cost per 64-wide k tile. A block does 2 x 64 WARPGROUPS x TOKENS x 64 FLOP and copies TOKENS x 128
@@ -46,10 +46,9 @@ WG2_T128 2.1 MFLOP for 20 KiB, WG2_T256 4.2 MFLOP for 36 KiB. A warp issues 64 A
 (the unpack), 4 ld.shared.v4 and 4 wgmma (8 at 256 tokens). Registers (ptxas): 122-158 at 128
 tokens, 218 at 256; no spills.
 
-Measured on the H200 (bench's GEMM table, bench/logs/2026-11-30-session3/, us and TFLOP/s of the
-~790 the H200 reaches in bf16 through cuBLAS): at M = 512 qkv 48.4 (349), o_proj 34.8 (378),
-gate_up 319.9 (435), down_proj 169.1 (411); at 2048 up to 487 (gate_up, WG2_T256: 62%); the
-mma.sync kernel's best was 270. Why not closer to 790 is not yet measured (no profiler run): the
+The measured TFLOP/s of every tile at the 7B shapes, against the ~790 the H200 reaches in bf16
+through cuBLAS and the mma.sync kernel's best, are bench's GEMM table in docs/PERFORMANCE.md.
+Why the best tile stays well short of 790 is not known: no profiler has run on it; the
 candidates are the L2 traffic (~7.6 TB/s of tiles for WG1_T128 at 435 TFLOP/s), the one barrier
 per k tile, and the scattered transposed stores of the epilogue.
 """
@@ -66,11 +65,10 @@ from numba import cuda, float32, uint32
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
 from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
-from ..ptx.prmt import prmt
 from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
     wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
-from .gemv_int4 import HIGH_NIBBLES, LOW_NIBBLES, MAGIC_EXPONENTS, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
-    SELECT_BYTES_0_1, SELECT_BYTES_2_3
+from .int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, SELECT_BYTES_0_1, \
+    SELECT_BYTES_2_3, unpack_pair
 
 U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
 
@@ -83,15 +81,27 @@ TOKEN_TILES = SHAPES_N + (256,)  # 256 tokens: two n128 wgmmas per k step
 SHARED_LIMIT = 227 * 1024  # a block's dynamic shared memory on sm_90 (after cudaFuncSetAttribute)
 
 
+class GemmTile:
+    """What the tiles of both GEMM kernels share (this one's WgmmaTile, gemm_int4_tiles.TileShape):
+    `fits`, from the tile's own `check(matrices)` and `block_n`."""
+
+    def fits(self, n: int, k: int, matrices: int) -> bool:
+        """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""
+        try:
+            self.check(matrices)
+        except ValueError:
+            return False
+        return n % (self.block_n // matrices) == 0 and k % GROUP_SIZE == 0
+
+
 @dataclasses.dataclass(frozen=True)
-class WgmmaTile:
+class WgmmaTile(GemmTile):
     """A block's tile: 64 WARPGROUPS weight rows (all matrices together) x TOKENS activation rows,
-    STAGES 64-wide k tiles in flight, K split over SPLITS blocks (residual epilogue only)."""
+    STAGES 64-wide k tiles in flight."""
 
     warpgroups: int
     tokens: int
     stages: int = 4
-    splits: int = 1
 
     @property
     def block_m(self) -> int:  # activation rows per block (gemm_int4's launcher speaks in these)
@@ -115,22 +125,33 @@ class WgmmaTile:
 
     def check(self, matrices: int) -> None:
         if self.tokens not in TOKEN_TILES or self.warpgroups not in (1, 2) or not 3 <= self.stages \
-                or self.dynamic_shared_bytes > SHARED_LIMIT or self.splits < 1 or matrices not in (1, 2):
+                or self.dynamic_shared_bytes > SHARED_LIMIT or matrices not in (1, 2):
             raise ValueError(f"{self}: token tiles are {TOKEN_TILES}, 1 or 2 warpgroups, >= 3 stages within "
                              f"{SHARED_LIMIT} bytes of shared memory")
-
-    def fits(self, n: int, k: int, matrices: int) -> bool:
-        try:
-            self.check(matrices)
-        except ValueError:
-            return False
-        return n % (self.block_n // matrices) == 0 and k % (GROUP_SIZE * self.splits) == 0
 
 
 @cuda.jit(device=True, inline="always")
 def dequantize_pair(word, selector, mask, multiplier, offset, scale):
-    """One lane's pair of a packed word (pair t: weights 2t, 2t+1) times the half2 scale."""
-    return fma_f16x2(fma_f16x2(prmt(word, MAGIC_EXPONENTS, selector) & mask, multiplier, offset), scale, U(0))
+    """One lane's pair of a packed word (pair t: weights 2t, 2t+1, int4_unpack.py) times the half2 scale."""
+    return fma_f16x2(unpack_pair(word, selector, mask, multiplier, offset), scale, U(0))
+
+
+@cuda.jit(device=True, inline="always")
+def unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a):
+    """This lane's A fragments of one 64-wide k tile into a[0..15]: its pair of each of the 8 words
+    of weight rows g (at shared word w_word) and g + 8, times their scales (the Fragments paragraph)."""
+    selector, mask, multiplier, offset = unpack
+    a0, a1, a2, a3 = ld_shared_v4_u32(tile, w_word)  # row g: k 0..31
+    a4, a5, a6, a7 = ld_shared_v4_u32(tile, w_word + U(4))  # row g: k 32..63
+    b0, b1, b2, b3 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS))  # row g + 8
+    b4, b5, b6, b7 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS + 4))
+    row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
+    row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
+    for j in range(4):  # k step j: words 2j (k 16j..16j+7) and 2j+1 (k 16j+8..16j+15)
+        a[4 * j] = dequantize_pair(row_a[2 * j], selector, mask, multiplier, offset, scale_a)
+        a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
+        a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
+        a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
 
 
 @functools.cache
@@ -138,12 +159,10 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
     """gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias, out), gemm_int4.gemm_kernel's operands."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
-    TOKENS, ROWS, STAGES, THREADS, SPLITS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads, tiles.splits
+    TOKENS, ROWS, STAGES, THREADS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads
     COLS = ROWS // matrices  # output columns per block
-    if n % COLS or k % (GROUP_SIZE * SPLITS):
-        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE * SPLITS}")
-    if SPLITS > 1 and epilogue != "residual":
-        raise ValueError(f"split-K ({SPLITS} splits) adds partial products into `out`: residual epilogue only")
+    if n % COLS or k % GROUP_SIZE:
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
     ATOM_WORDS = SWIZZLE_ATOM_BYTES // 4
     WIDTH = min(TOKENS, SHAPES_N[-1])  # wgmma n: a 256-token tile issues two n128 wgmmas (two accumulator
     HALVES = TOKENS // WIDTH  # arrays: LLVM keeps a 128-float local array in memory, 64 in registers)
@@ -153,7 +172,6 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
     X_CHUNKS, W_CHUNKS = TOKENS * X_ROW_WORDS // 4, ROWS * W_ROW_WORDS // 4  # 16-byte copies per stage
     X_WORDS, W_WORDS, GROUPS = k // 2, k // 8, k // GROUP_SIZE  # words of one X row / W row; scale groups
-    SPLIT_GROUPS = GROUPS // SPLITS
     AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
     WAIT = STAGES - 3  # copy groups that may stay pending when tile kt must have landed
     BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
@@ -196,19 +214,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
 
     @cuda.jit(device=True, inline="always")
     def multiply_tile(tile, stage_word, w_word, unpack, scale_a, scale_b, a, acc, acc_high):
-        """Unpack this lane's weights of the k tile at stage_word into a, then issue its 4 wgmmas."""
-        selector, mask, multiplier, offset = unpack
-        a0, a1, a2, a3 = ld_shared_v4_u32(tile, w_word)  # row g: k 0..31
-        a4, a5, a6, a7 = ld_shared_v4_u32(tile, w_word + U(4))  # row g: k 32..63
-        b0, b1, b2, b3 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS))  # row g + 8
-        b4, b5, b6, b7 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS + 4))
-        row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
-        row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
-        for j in range(4):  # k step j: words 2j (k 16j..16j+7) and 2j+1 (k 16j+8..16j+15)
-            a[4 * j] = dequantize_pair(row_a[2 * j], selector, mask, multiplier, offset, scale_a)
-            a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
-            a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
-            a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
+        """Unpack this lane's weights of the k tile at stage_word into a, then issue its wgmmas."""
+        unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a)
         wgmma_fence()
         for j in range(4):
             wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, stage_word + U(8 * j))
@@ -219,14 +226,14 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         wgmma_wait_group(1)  # the previous tile's wgmmas are done: its stage and registers are free
 
     @cuda.jit(device=True, inline="always")
-    def step(x, m, q0, q1, tile, ring, kt, first_tile, m0, n0, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
-        """k tile kt (counted from the block's first): wait, publish, refill, multiply."""
+    def step(x, m, q0, q1, tile, ring, kt, m0, n0, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt: wait, publish, refill, multiply."""
         cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
         fence_proxy_async_shared()  # ...are visible to the tensor cores...
         cuda.syncthreads()  # ...and everyone's are; every warpgroup is done with tile kt - 2's stage
         ahead = kt + U(AHEAD)
-        if ahead < U(SPLIT_GROUPS * TILES_PER_GROUP):
-            load_stage(x, m, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), first_tile + ahead, m0, n0)
+        if ahead < U(GROUPS * TILES_PER_GROUP):
+            load_stage(x, m, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), ahead, m0, n0)
         cp_async_commit_group()  # possibly empty: keeps one group per k tile
         stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
         multiply_tile(tile, stage_word, stage_word + w_offset, unpack, scale_a, scale_b, a, acc, acc_high)
@@ -247,7 +254,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         row_a = (tid // U(32)) * U(16) + g  # this lane's weight rows in the block: row_a, row_a + 8
         col_a, up_a = weight_row(row_a)
         col_b, up_b = weight_row(row_a + U(8))
-        # pair t of a word: bytes 0-1 (t < 2) or 2-3, low nibbles (t even) or high
+        # PAIR_CONSTANTS[t] of int4_unpack, chosen by selects (a runtime tuple index would live in local memory)
         unpack = (SELECT_BYTES_0_1 if t < U(2) else SELECT_BYTES_2_3,
                   LOW_NIBBLES if t % U(2) == U(0) else HIGH_NIBBLES,
                   ONE if t % U(2) == U(0) else ONE_SIXTEENTH,
@@ -255,26 +262,23 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         base = shared_byte_address(tile, U(0))
         ring = ((U(SWIZZLE_ATOM_BYTES) - base % U(SWIZZLE_ATOM_BYTES)) % U(SWIZZLE_ATOM_BYTES)) // U(4)
         w_offset = U(X_STAGE_WORDS) + row_a * U(W_ROW_WORDS)
-        first_group = U(cuda.blockIdx.z) * U(SPLIT_GROUPS)
-        first_tile = first_group * U(TILES_PER_GROUP)
         for c in range(ACCUMULATORS):
             acc[c] = float32(0)
             acc_high[c] = float32(0)
 
         for s in range(AHEAD):
-            load_stage(x, m, q0, q1, tile, ring + U(s * STAGE_WORDS), first_tile + U(s), m0, n0)
+            load_stage(x, m, q0, q1, tile, ring + U(s * STAGE_WORDS), U(s), m0, n0)
             cp_async_commit_group()
-        next_a = half2_scale(s0, s1, n0 + col_a, up_a, first_group)
-        next_b = half2_scale(s0, s1, n0 + col_b, up_b, first_group)
-        for group in range(SPLIT_GROUPS):
+        next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(0))
+        next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(0))
+        for group in range(GROUPS):
             scale_a, scale_b = next_a, next_b
-            if group + 1 < SPLIT_GROUPS:  # fetched a group ahead: the loads' latency hides behind it
-                next_a = half2_scale(s0, s1, n0 + col_a, up_a, first_group + U(group + 1))
-                next_b = half2_scale(s0, s1, n0 + col_b, up_b, first_group + U(group + 1))
+            if group + 1 < GROUPS:  # fetched a group ahead: the loads' latency hides behind it
+                next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(group + 1))
+                next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(group + 1))
             kt = U(group * TILES_PER_GROUP)
-            step(x, m, q0, q1, tile, ring, kt, first_tile, m0, n0, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
-            step(x, m, q0, q1, tile, ring, kt + U(1), first_tile, m0, n0, w_offset, unpack, scale_a, scale_b,
-                 a_odd, acc, acc_high)
+            step(x, m, q0, q1, tile, ring, kt, m0, n0, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
+            step(x, m, q0, q1, tile, ring, kt + U(1), m0, n0, w_offset, unpack, scale_a, scale_b, a_odd, acc, acc_high)
         wgmma_wait_group(0)
 
         # acc[4i + 2h + e] is D[row_a + 8h, token 8i + 2t + e] (acc_high: token WIDTH + 8i + 2t + e)
@@ -292,10 +296,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
                             if BIAS:
                                 first += float32(bias_values[n0 + col_a])
                                 second += float32(bias_values[n0 + col_b])
-                            if RESIDUAL and SPLITS > 1:  # other blocks add their k ranges too
-                                cuda.atomic.add(out, at + col_a, first)
-                                cuda.atomic.add(out, at + col_b, second)
-                            elif RESIDUAL:
+                            if RESIDUAL:
                                 out[at + col_a] += first
                                 out[at + col_b] += second
                             else:

@@ -13,8 +13,8 @@ per block in shared memory as float32. Chunk c's inputs 8c .. 8c+7 sit at xs[9c 
 pad word per 8): lane L reads bank (9L + j) mod 32, different for all 32 lanes, where the plain
 layout would give 8c + j, a 4-way conflict. Lane sums meet in a `warp_sum`; lane r writes row r.
 
-Traffic: N*K*2 bytes of W + K*2 of x per block (L2). Measured: not yet at a 7B shape (the 7B files
-benchmarked so far carry an INT4 lm_head; `bench` times this kernel for a model with an FP16 one).
+Traffic: N*K*2 bytes of W + K*2 of x per block (L2). `bench` times it for a model with an FP16
+lm_head (its kernel table); the runs in docs/PERFORMANCE.md are of 7B files with an INT4 one.
 """
 
 from __future__ import annotations

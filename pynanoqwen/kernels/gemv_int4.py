@@ -90,17 +90,17 @@ from numba import cuda, float32, int32, uint32
 from numba.core import types
 
 from ..config import GROUP_SIZE
-from ..launch import launch, multiprocessor_count
+from ..device import sm_count
+from ..launch import launch
 from ..ptx import SIMULATOR
 from ..ptx.dp4a import dp4a
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
-from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
-from . import CompileTarget, on_device
-from .page_alloc import PAGE_SIZE
+from . import PAGE_SIZE, CompileTarget, on_device
+from .int4_unpack import unpack8
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
@@ -151,21 +151,6 @@ def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
     return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)
 
 
-def _half2(value: float) -> np.uint32:
-    """The uint32 bits of the half2 (value, value)."""
-    return np.array([value, value], dtype=np.float16).view(np.uint32)[0]
-
-
-# The prmt unpack (pynanoqwen/quant.py, unpack_prmt_reference, is the numpy model of these steps).
-MAGIC_EXPONENTS = np.uint32(0x64646464)  # prmt pool bytes 4..7: FP16 high byte 0x64 = 1024.0
-SELECT_BYTES_0_1 = np.uint32(0x4140)  # halves (0x64, byte 0), (0x64, byte 1): weights 0-3
-SELECT_BYTES_2_3 = np.uint32(0x4342)  # halves (0x64, byte 2), (0x64, byte 3): weights 4-7
-LOW_NIBBLES = np.uint32(0x640F640F)  # -> (1024 + u_a, 1024 + u_b)
-HIGH_NIBBLES = np.uint32(0x64F064F0)  # -> (1024 + 16 u_a, 1024 + 16 u_b)
-ONE = _half2(1.0)
-MINUS_1032 = _half2(-1032.0)  # (1024 + u) - 1032 = u - 8, the signed weight
-ONE_SIXTEENTH = _half2(1.0 / 16.0)
-MINUS_72 = _half2(-72.0)  # (1024 + 16u) / 16 - 72 = u - 8
 # The dp4a unpack: the four low nibbles, or (after >> 4) the four high ones, as bytes.
 NIBBLE_BYTES = np.uint32(0x0F0F0F0F)
 
@@ -175,14 +160,13 @@ def dot8_prmt(word, x01, x23, x45, x67, acc):
     """acc + (w0 x0 + w2 x2 + w4 x4 + w6 x6, w1 x1 + w3 x3 + w5 x5 + w7 x7) in half2.
 
     `word` holds weights w0..w7 (nibbles u = w + 8, ValueShuffle); x01 .. x67 are the half2 pairs
-    (x0, x1) .. (x6, x7). All FP16 steps are exact except the accumulating FMAs.
+    (x0, x1) .. (x6, x7). The unpack (int4_unpack.py) is exact; only the accumulating FMAs round.
     """
-    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_0_1)
-    acc = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), x01, acc)
-    acc = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), x23, acc)
-    t = prmt(word, MAGIC_EXPONENTS, SELECT_BYTES_2_3)
-    acc = fma_f16x2(fma_f16x2(t & LOW_NIBBLES, ONE, MINUS_1032), x45, acc)
-    acc = fma_f16x2(fma_f16x2(t & HIGH_NIBBLES, ONE_SIXTEENTH, MINUS_72), x67, acc)
+    w01, w23, w45, w67 = unpack8(word)
+    acc = fma_f16x2(w01, x01, acc)
+    acc = fma_f16x2(w23, x23, acc)
+    acc = fma_f16x2(w45, x45, acc)
+    acc = fma_f16x2(w67, x67, acc)
     return acc
 
 
@@ -563,7 +547,7 @@ class GemvInput:
         if (norm_weight is None) != (norm_eps is None):
             raise ValueError("norm_weight and norm_eps go together")
         self.path, self.n, self.k, self.plan = path, n, k, plan
-        self.grid = plan.grid(n, multiprocessor_count())
+        self.grid = plan.grid(n, sm_count())
         self.int8 = Int8Activations(k) if path == "dp4a" else None
         self.norm_eps = None if norm_eps is None else float(norm_eps)
         self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)

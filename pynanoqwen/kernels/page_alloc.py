@@ -19,9 +19,7 @@ from numba.core import types
 
 from ..launch import launch
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
-from . import CompileTarget
-
-PAGE_SIZE = 16  # positions per KV page: one (page, kv head) tile is 16 x head_dim FP16 values
+from . import PAGE_SIZE, CompileTarget
 
 
 @cuda.jit

@@ -22,8 +22,7 @@ from __future__ import annotations
 from numba import cuda
 from numba.core import types
 
-from . import CompileTarget
-from .page_alloc import PAGE_SIZE
+from . import PAGE_SIZE, CompileTarget
 
 THREADS = 128
 

@@ -4,9 +4,9 @@ Decode normalises one row (the token being decoded); prefill normalises R rows, 
 token of the chunk (R = the bucket's rows), feeding the tensor-core GEMMs (kernels/gemm_int4.py).
 Padding rows of a prefill chunk are normalised too: they are finite (embedding_prefill.py zeroes
 them), whatever they become is never read, and a fixed grid keeps the launch the same for every
-chunk of a bucket. In decode the norm runs before the QKV, gate-up and lm_head GEMVs only where
-the GEMV does not apply it itself (the engine's default on the prmt path fuses it:
-kernels/gemv_int4.py, norm_weight=): for an FP16 lm_head and on the dp4a path. The residual adds
+chunk of a bucket. In decode the norm runs before a GEMV only where the GEMV does not apply it
+itself (the prmt GEMVs fuse it: kernels/gemv_int4.py, norm_weight=): for an FP16 lm_head and,
+inside the GEMV object, on the dp4a path. The residual adds
 happen in the epilogues of the o_proj and down_proj GEMVs, so this kernel only reads the float32
 stream `h` and writes the FP16 activation the next matrix product reads (docs/DECODE.md).
 
@@ -17,7 +17,7 @@ thread sums its squares in float32, `warp_sum` folds each warp, the warp totals 
 memory, then every warp folds those totals itself, so all threads learn the sum after a single
 `syncthreads`; then each thread scales and writes its elements. Traffic: rows x hidden x
 (4 + 2 + 2) bytes: 28 KiB per row at hidden 3584, so decode's launch is latency, not bandwidth
-(3.3 us per launch inside a graph on the H200, bench/logs/2026-11-30-bench-94dec1f.md). The float32
+(its time per launch inside a graph: docs/PERFORMANCE.md). The float32
 sum of squares is accurate to ~1e-6 relative at these sizes, well under the FP16 output rounding.
 """
 

@@ -4,7 +4,7 @@
 PTX ISA, Data Movement and Conversion Instructions: ld.global.nc. One instruction moves four
 consecutive 32-bit words; a warp of 32 lanes reading consecutive 16-byte chunks moves 512 bytes
 with four fully used 128-byte transactions. On the H200 this reached 4.33 TB/s against 3.6 TB/s
-with 4-byte loads (docs/PERFORMANCE.md). `.nc` promises the data is not written while the
+with 4-byte loads (docs/HARDWARE.md). `.nc` promises the data is not written while the
 kernel runs, which is true of weights and of an activation vector a previous kernel produced.
 """
 

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from numba import cuda, float32, uint32
 
-from pynanoqwen.kernels.gemm_int4 import TileShape, make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4_tiles import TileShape
 from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
@@ -35,7 +36,6 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 U16, U32 = 2.0**-11, 2.0**-24
 SIM_TILES = TileShape(block_m=32, block_n=32, warps_m=2, warps_n=1, stages=3)
 SIM_WGMMA = WgmmaTile(warpgroups=1, tokens=64, stages=3)
-SIM_WGMMA_SPLIT_K = WgmmaTile(warpgroups=1, tokens=64, stages=3, splits=2)
 BOTH_KERNELS = pytest.mark.parametrize("tiles", [SIM_TILES, SIM_WGMMA], ids=["mma_sync", "wgmma"])
 EXTRA_ROWS = 3  # x and out have rows past m: the kernel must neither need nor touch them
 
@@ -89,21 +89,26 @@ def test_gemm_exact_operands(tiles, m, n, k, epilogue):
 
 
 def test_split_k_residual_exact_operands():
-    """Two blocks along K each add their partial product (exact here) to out with an atomic add:
-    two FP32 roundings, each at most u32 times a running sum bounded by |out| + |X| |W|^T."""
+    """dev/gemm_wgmma_split_k.py: two blocks along K each add their partial product (exact here) to
+    out with an atomic add: two FP32 roundings, each at most u32 times a running sum bounded by
+    |out| + |X| |W|^T."""
+    from gemm_wgmma_split_k import SplitKGemm, SplitKTile
+
     rng = np.random.default_rng()
     m, n, k = 9, 64, 256  # one scale group per split
     qweight, scales, w = exact_linear(rng, n, k)
     x = exact_activations(rng, m, k)
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float32)
-    gemm = make_gemm_int4(n, k, qweight, scales, tiles=SIM_WGMMA_SPLIT_K)
-    y = run(gemm, x, out, m, residual=True)
+    gemm = SplitKGemm(n, k, SplitKTile(warpgroups=1, tokens=64, stages=3, splits=2), cuda.to_device(qweight),
+                      cuda.to_device(scales))
+    out_device = cuda.to_device(out)
+    gemm.launch(0, cuda.to_device(x[:m]), out_device)
+    y = out_device.copy_to_host()
+    assert np.array_equal(y[m:], out[m:]), "rows past m were written"
     x64 = x[:m].astype(np.float64)
     expected = out[:m] + x64 @ w.T
     running = np.abs(out[:m]) + np.abs(x64) @ np.abs(w.T)
-    assert np.all(np.abs(y - expected) <= 2 * U32 * running)
-    with pytest.raises(ValueError, match="residual epilogue only"):
-        gemm.launch(0, cuda.to_device(x), cuda.to_device(out), m)
+    assert np.all(np.abs(y[:m] - expected) <= 2 * U32 * running)
 
 
 @BOTH_KERNELS

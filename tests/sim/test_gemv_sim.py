@@ -62,7 +62,7 @@ def dequantized_activations(gemv, k):
     return q * np.repeat(scale.astype(np.float64), 128), scale
 
 
-# The simulator reports 2 SMs (launch.SIMULATED_SM_COUNT), so a plan of 2 warps and 1 block per SM
+# The simulator reports 2 SMs (device.SIMULATED_SM_COUNT), so a plan of 2 warps and 1 block per SM
 # runs 4 warps: each walks several tiles, and its pipeline of `depth` loads crosses tile boundaries.
 PIPELINED = GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1)
 

@@ -1,5 +1,6 @@
 """The PTX primitives' simulator twins inside kernels: warp shuffles and reductions (per-warp
-exchange between simulated threads) and the GEMV's unpack-and-dot step, on fresh random inputs."""
+exchange between simulated threads), the INT4 unpack and the GEMV's unpack-and-dot step, on fresh
+random inputs."""
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from numba import cuda, uint32
 
 from pynanoqwen import quant
 from pynanoqwen.kernels.gemv_int4 import dot8_prmt
+from pynanoqwen.kernels.int4_unpack import PAIR_CONSTANTS, unpack8, unpack_pair
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.half2 import half2_to_float2
 from pynanoqwen.ptx.warp import shfl_xor, warp_max, warp_sum
@@ -63,3 +65,18 @@ def test_dot8_prmt_matches_the_unpack_reference():
         codes = quant.unpack_prmt_reference(np.array([word]))[0].astype(np.float64)
         assert lo == acc0[0] + codes[0::2] @ x[0::2].astype(np.float64)  # lane 0: even inputs
         assert hi == acc0[1] + codes[1::2] @ x[1::2].astype(np.float64)  # lane 1: odd inputs
+
+
+def test_the_one_int4_unpack_matches_the_reference_pair_by_pair():
+    """kernels/int4_unpack.py: unpack8, and unpack_pair with each pair's constants (as a wgmma lane
+    calls it), give the reference's exact codes (quant.unpack_prmt_reference), every nibble value."""
+    rng = np.random.default_rng()
+    words = np.concatenate([rng.integers(0, 2**32, 30, dtype=np.uint32),
+                            np.array([0, 0xFFFFFFFF, 0x88888888], np.uint32)])
+    for word in words:
+        codes = quant.unpack_prmt_reference(np.array([word]))[0]
+        pairs = [np.array([p], np.uint32).view(np.float16) for p in unpack8(word)]
+        assert np.array_equal(np.concatenate(pairs), codes)
+        for j, constants in enumerate(PAIR_CONSTANTS):
+            pair = np.array([unpack_pair(word, *constants)], np.uint32).view(np.float16)
+            assert np.array_equal(pair, codes[2 * j:2 * j + 2])

@@ -1,16 +1,17 @@
-"""`validate`'s unit tier under the CUDA simulator, on a small random model with fresh random inputs.
+"""`validate`'s unit tier (pynanoqwen/unit_checks.py) under the CUDA simulator, on a small random
+model with fresh random inputs.
 
 The simulator runs one Python thread per CUDA thread, so only the checks with few threads run
 here: embedding, RMSNorm, RoPE + KV write and the argmax sampler. (check_linears and
 check_attention launch tens of thousands of simulated threads at the smallest legal shapes, about
-two minutes; they reuse the bounds of tests/sim/test_gemv_sim.py and the tolerance of
-tests/test_attention_gpu.py, and run on the GPU in tests/test_validate.py's gpu test.)
+two minutes; their bounds are pynanoqwen/oracles.py's, and they run on the GPU in
+tests/test_validate.py's gpu test.)
 """
 
 import numpy as np
 import pytest
 
-from pynanoqwen import validate
+from pynanoqwen import unit_checks
 from pynanoqwen.config import ModelConfig
 from pynanoqwen.kernels import rmsnorm
 from pynanoqwen.ptx import SIMULATOR
@@ -22,7 +23,8 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 SMALL = ModelConfig(hidden_size=128, intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64,
                     vocab_size=192, max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=0,
                     eos_token_id=0).validate()
-CHECKS = [validate.check_embedding, validate.check_rmsnorm, validate.check_rope_kv_write, validate.check_argmax]
+CHECKS = [unit_checks.check_embedding, unit_checks.check_rmsnorm, unit_checks.check_rope_kv_write,
+          unit_checks.check_argmax]
 
 
 def small_weights(rng):
@@ -56,5 +58,5 @@ def test_unit_check_catches_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(rmsnorm, "make_rmsnorm", Unweighted)
     rng = np.random.default_rng()
-    results = list(validate.check_rmsnorm(small_weights(rng), rng))
+    results = list(unit_checks.check_rmsnorm(small_weights(rng), rng))
     assert len(results) == 1 and results[0].status == "FAIL" and "worst error" in results[0].detail

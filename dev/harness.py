@@ -1,0 +1,118 @@
+"""What the dev/ variants share: random INT4 weights, a float64 check of a GEMM, and its timing.
+
+Weights are random (speed does not depend on values); the timing rotates enough weight copies
+that together they exceed the L2 twice, so every call reads its weights from HBM, as a prefill
+does layer after layer; calls run inside a CUDA graph between events (pynanoqwen/gpu_timing.py),
+as bench's GEMM table times the product's tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from pynanoqwen.config import PRESETS
+from pynanoqwen.gpu_timing import time_graph, weight_copies
+from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.oracles import U32, Check, bound_report, gemm_oracle, silu_product_oracle
+from pynanoqwen.quant import dequantize_int4
+
+SEVEN_B = PRESETS["7b"]
+LINEARS_7B = {"qkv": (SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.hidden_size),
+              "o_proj": (SEVEN_B.hidden_size, SEVEN_B.q_size),
+              "gate_up": (SEVEN_B.intermediate_size, SEVEN_B.hidden_size),
+              "down_proj": (SEVEN_B.hidden_size, SEVEN_B.intermediate_size)}
+
+
+def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random packed words and FP16 scales of an N x K linear."""
+    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
+            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
+
+
+def check_gemm(name: str, launch, n: int, k: int, m: int, epilogue: str, rng, extra_bound=None) -> Check:
+    """Run launch(stream, weights, bias, x, out) for an N x K linear with this epilogue (weights: one
+    (qweight, scales) per matrix, bias float16 or None) on fresh random operands, and check out[:m]
+    against float64 within the product's bounds (oracles.py), plus extra_bound(magnitude, out
+    before) if the variant rounds more (magnitude: |x| |W|^T)."""
+    weights = [random_int4(rng, n, k) for _ in range(2 if epilogue == "gate_up_silu" else 1)]
+    bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    out = (rng.standard_normal((m, n)) if epilogue == "residual" else np.zeros((m, n)))
+    out = out.astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
+    out_device = cuda.to_device(out)
+    stream = cuda.stream()
+    launch(stream, [tuple(cuda.to_device(a) for a in w) for w in weights], None if bias is None else cuda.to_device(bias),
+           cuda.to_device(x), out_device)
+    stream.synchronize()
+    products = [gemm_oracle(*w, x) for w in weights]
+    if epilogue == "gate_up_silu":
+        expected, bound = silu_product_oracle(*products[0], *products[1])
+    else:
+        expected, bound = products[0]
+        expected = expected + (out if epilogue == "residual" else 0) + (0 if bias is None else bias)
+        bound = bound + U32 * np.abs(expected)
+    if extra_bound is not None:
+        magnitude = np.abs(x.astype(np.float64)) @ np.abs(dequantize_int4(*weights[0], np.float64)).T
+        bound = bound + extra_bound(magnitude, out)
+    return bound_report(name, np.abs(out_device.copy_to_host().astype(np.float64) - expected), bound)
+
+
+def time_calls(build, n: int, k: int, m: int, out_dtype=np.float32, matrices: int = 1, replays: int = 5) -> float:
+    """Microseconds per call of call = build([(qweight, scales)] * matrices), call(stream, x, out),
+    with the weights rotated through 2x the L2."""
+    rng = np.random.default_rng(0)
+    copies = weight_copies(matrices * (n * k // 2 + n * k // 64))
+    calls = [build([tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)])
+             for _ in range(copies)]
+    stream = cuda.stream()
+    x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
+    out = cuda.to_device(np.zeros((m, n), out_dtype), stream=stream)
+    count = max(copies, 8)
+    seconds = time_graph(stream, lambda: [calls[c % copies](stream, x, out) for c in range(count)], replays)
+    return 1e6 * seconds / count
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + " --- |" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+
+
+EPILOGUES_7B = {"qkv": "bias", "o_proj": "residual", "gate_up": "gate_up_silu", "down_proj": "residual"}
+
+
+def product_gemm(n: int, k: int, epilogue: str, tiles=None):
+    """launch(stream, weights, bias, x, out) through the product's GEMM factories at `tiles`
+    (None: default_tiles_for's choice), for check_gemm and time_calls."""
+    def launch(stream, weights, bias, x, out):
+        m = x.shape[0]
+        if epilogue == "gate_up_silu":
+            make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=tiles).launch(stream, x, out, m)
+        else:
+            make_gemm_int4(n, k, *weights[0], bias=bias, tiles=tiles).launch(stream, x, out, m,
+                                                                         residual=epilogue == "residual")
+    return launch
+
+
+def time_product_gemm(n: int, k: int, m: int, epilogue: str, tiles=None) -> float:
+    """Microseconds per call of the product's GEMM at `tiles`, as bench's GEMM table times it."""
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+
+    def build(weights):
+        if matrices == 2:
+            gemm = make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=tiles)
+            return lambda stream, x, out: gemm.launch(stream, x, out, m)
+        gemm = make_gemm_int4(n, k, *weights[0], tiles=tiles)
+        return lambda stream, x, out: gemm.launch(stream, x, out, m, residual=epilogue == "residual")
+
+    return time_calls(build, n, k, m, np.float16 if matrices == 2 else np.float32, matrices)
+
+
+def run(check, timings, title: str) -> None:
+    """What `python dev/<variant>.py` does: the variant's float64 checks, then its timing table."""
+    for result in check(np.random.default_rng()):
+        print(result.line())
+    print_table(title, timings())

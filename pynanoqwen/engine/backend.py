@@ -1,0 +1,252 @@
+"""`CudaBackend`: a .nanoqwen model on an NVIDIA GPU (sm_90), what `generate --device cuda` runs.
+
+Loading does everything that allocates, once:
+1. check the GPU and that it has room for what follows (memory.py);
+2. copy the weights, q/k/v packed into one matrix, and build the GEMVs and GEMMs over them (weights.py);
+3. allocate the buffers of docs/DECODE.md: step state, one token's activations, the paged FP16 KV
+   cache, the RoPE tables, the prefill rows (buffers.py);
+4. build the other kernels with the model's dimensions baked in, and the launch lists of the
+   six kinds of decode step (schedule.py); run each once, which compiles them, and capture them
+   as CUDA graphs (capture.py).
+
+A decode step is then one cuGraphLaunch (with eager=True, the same launches one by one).
+Everything that changes between steps lives in device memory (buffers.StepState).
+
+Prefill (`prefill`): the prompt runs as rows through the tensor-core GEMMs, in chunks of at most
+`prefill_rows` (2048) tokens. A chunk of m tokens at positions start.. is one launch list of the
+schedule (PrefillOps): page_alloc_range numbers the pages the chunk starts as m decode steps
+would, the layers run over the rows, last_row copies the chunk's last row into the decode `h` and
+sets pos = start + m - 1, and the decode head samples tokens[start + m] (a chunk that does not end
+the prompt runs only the "prompt" sampler, which advances pos). So the first token is drawn by the
+same kernels at the same pos as after token-by-token prefill, and decode continues from identical
+page tables. `start` and `m` live in device memory, so one graph per bucket of rows (16 .. 2048)
+and method serves every chunk that fits it. A bucket's first chunk runs eagerly (compiling its
+kernels) and its graph is captured right after; `prepare` does that before the clock starts.
+`prefill="decode"` keeps the old path: one decode step per prompt token.
+
+Generation: prefill and the first sampled token, then one step per token. The host learns each
+token by a 4-byte copy into pinned memory and an event; it launches step p + 1 before waiting for
+the token of step p, so the GPU never idles on the host, and a stop token costs one wasted step
+whose results the next generation overwrites.
+
+The measurement and validation hooks (validate, bench, the self-check) are probes.py's, part of
+backend.GpuEngine, the interface they are declared in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+from numba import cuda
+
+from ..device import device_name, require_gpu
+from ..errors import NanoQwenError
+from ..fileformat import NanoQwenFile
+from ..kernels import GEMV_PATHS, PAGE_SIZE
+from ..kernels.sampling import METHODS, device_params, method_for
+from ..sampling import SamplingParams
+from . import buffers as device_buffers
+from .capture import GraphCache
+from .memory import PREFILL_BUCKETS, check_free_memory, device_bytes, prefill_buckets, stored_nbytes
+from .probes import EngineProbes
+from .schedule import DecodeOps, Kernels, Launch, PrefillOps, forward_launches, run_all
+from .weights import load_weights
+
+PREFILL_MODES = ("batched", "decode")
+
+
+class CudaBackend(EngineProbes):
+    """A .nanoqwen model on an NVIDIA GPU (sm_90), decoding through CUDA graphs (backend.GpuEngine)."""
+
+    def __init__(self, model, *, max_context: int = 32768, gemv: str = "prmt", eager: bool = False,
+                 verify_data: bool = True, prefill: str = "batched", prefill_rows: int = PREFILL_BUCKETS[-1]):
+        """`model`: a .nanoqwen path, or any reference.WeightSource (.config, .lm_head_int4,
+        .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums.
+        gemv: the INT4 GEMV path, "prmt" or "dp4a" (kernels/gemv_int4.py). prefill: "batched"
+        runs prompts through the tensor-core GEMMs in chunks of at most prefill_rows tokens (a
+        power of two, 16..2048); "decode" one decode step per token (and allocates nothing for
+        the batched path)."""
+        require_gpu()
+        if gemv not in GEMV_PATHS:
+            raise NanoQwenError(f"gemv must be one of {', '.join(GEMV_PATHS)}, got {gemv!r}")
+        if prefill not in PREFILL_MODES:
+            raise NanoQwenError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+        if prefill_rows not in PREFILL_BUCKETS:
+            raise NanoQwenError(f"prefill_rows must be one of {', '.join(map(str, PREFILL_BUCKETS))}, "
+                                f"got {prefill_rows}")
+        self.prefill_mode, self.max_context, self.gemv, self.eager = prefill, max_context, gemv, eager
+        is_path = isinstance(model, (str, os.PathLike))
+        source = NanoQwenFile(model, verify_data=verify_data) if is_path else model
+        try:
+            cfg = self.config = source.config
+            if not 1 <= max_context <= cfg.max_position_embeddings:
+                raise NanoQwenError(f"max_context {max_context} must be between 1 and the model's "
+                                    f"max_position_embeddings {cfg.max_position_embeddings}")
+            self.prefill_buckets = prefill_buckets(max_context, prefill_rows) if prefill == "batched" else ()
+            self.memory = device_bytes(cfg, sum(stored_nbytes(cfg, source.lm_head_int4).values()), max_context,
+                                       prefill_rows if prefill == "batched" else 0)
+            check_free_memory(self.memory, max_context, *cuda.current_context().get_memory_info())
+            self.name = f"cuda ({device_name()}, INT4 {gemv} GEMV, {'eager launches' if eager else 'CUDA graphs'})"
+            self.stream = cuda.stream()
+            self.weights = load_weights(source, cfg, gemv, self.stream, prefill=bool(self.prefill_buckets))
+        finally:
+            if is_path:
+                source.close()
+        self.buffers = device_buffers.allocate(cfg, max_context, self.prefill_buckets, self.stream)
+        self.state, self.act, self.kv = self.buffers.state, self.buffers.act, self.buffers.kv
+        self.max_pages = device_buffers.max_pages(max_context)
+        self.kernels = Kernels.build(cfg, self.max_pages, bool(self.prefill_buckets))
+        self.ops = DecodeOps(cfg, self.weights, self.kernels, self.buffers, gemv)
+        self.steps = {(method, new_page): forward_launches(self.ops, method, new_page)
+                      for method in METHODS for new_page in (False, True)}
+        self.graphs, self.prefill_graphs = GraphCache(self.stream), GraphCache(self.stream)
+        for method in METHODS:  # compile every kernel: each method's step that starts a page runs them all
+            self.reset([0], SamplingParams(temperature=1.0, top_k=2))
+            run_all(self.steps[method, True], self.stream)
+        self.stream.synchronize()
+        if not eager:
+            for key, launches in self.steps.items():
+                self.graphs.capture(key, launches)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        return self.weights.bytes_per_step
+
+    def close(self) -> None:
+        """Free the graphs (device memory goes when the arrays are garbage collected)."""
+        self.graphs.close()
+        self.prefill_graphs.close()
+
+    # -- one step and one chunk ------------------------------------------------------------------
+
+    def step(self, position: int, method: str) -> None:
+        """Enqueue the step of the token at `position` (it must equal the device's pos)."""
+        key = (method, position % PAGE_SIZE == 0)
+        if self.eager:
+            run_all(self.steps[key], self.stream)
+        else:
+            self.graphs.launch(key)
+
+    def prefill_launches(self, rows: int, method: str) -> list[Launch]:
+        """The launch list of one prefill chunk in the bucket of `rows` rows, sampling by `method`."""
+        return forward_launches(PrefillOps(self.config, self.weights, self.kernels, self.buffers, self.gemv, rows),
+                                method)
+
+    def _bucket(self, m: int) -> int:
+        return next(bucket for bucket in self.prefill_buckets if bucket >= m)
+
+    def _prefill_chunk(self, start: int, m: int, method: str) -> None:
+        """Enqueue the chunk of m prompt tokens at positions start.. (the device's pos is start)."""
+        rows = self._bucket(m)
+        self.buffers.chunk.copy_to_device(np.array([start, m], np.int32), stream=self.stream)
+        if not self.eager and (rows, method) in self.prefill_graphs:
+            self.prefill_graphs.launch((rows, method))
+            return
+        launches = self.prefill_launches(rows, method)
+        run_all(launches, self.stream)
+        if not self.eager:  # its kernels are compiled now: record the bucket's graph for later chunks
+            self.stream.synchronize()
+            self.prefill_graphs.capture((rows, method), launches)
+
+    def _chunks(self, n: int, method: str) -> list[tuple[int, int, str]]:
+        """(start, m, method) of each chunk of an n-token prompt: the last samples by `method`."""
+        longest = self.prefill_buckets[-1]
+        return [(start, min(longest, n - start), method if start + longest >= n else "prompt")
+                for start in range(0, n, longest)]
+
+    def prepare(self, prompt_tokens: int, params: SamplingParams) -> None:
+        """Compile and capture, before the clock starts, the prefill graphs a prompt of this many
+        tokens will replay: a bucket's first use otherwise compiles its kernels (seconds, once per
+        process) inside the time to first token. Runs each missing chunk shape once on a prompt
+        of zeros; generate() resets everything after. Decode graphs are ready from load."""
+        if self.eager or not self.prefill_buckets:
+            return
+        for _, m, chunk_method in self._chunks(prompt_tokens, method_for(params)):
+            if (self._bucket(m), chunk_method) not in self.prefill_graphs:
+                self.reset([0] * m, params)
+                self._prefill_chunk(0, m, chunk_method)
+        self.stream.synchronize()
+
+    def prefill(self, n: int, method: str, *, mode: str | None = None) -> None:
+        """Run the prompt tokens[0:n] (reset() put it there) through the model and sample the
+        token after it, tokens[n], by `method` (kernels/sampling.py); afterwards pos = n and the KV
+        cache holds positions 0..n-1. mode: "batched" (chunks through the GEMMs) or "decode" (one
+        decode step per token); by default the constructor's `prefill`."""
+        mode = mode or self.prefill_mode
+        if mode == "decode":
+            for position in range(n - 1):
+                self.step(position, "prompt")
+            self.step(n - 1, method)
+            return
+        if mode != "batched" or not self.prefill_buckets:
+            raise ValueError(f"prefill mode {mode!r} is not available (engine built with prefill="
+                             f"{self.prefill_mode!r})")
+        for start, m, chunk_method in self._chunks(n, method):
+            self._prefill_chunk(start, m, chunk_method)
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    def reset(self, prompt_ids, params: SamplingParams) -> None:
+        """Start a sequence: the prompt in tokens[0:n], pos 0, an empty KV cache, these params."""
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise NanoQwenError("the prompt has no tokens")
+        if len(ids) > self.max_context:
+            raise NanoQwenError(f"the prompt is {len(ids)} tokens, more than max_context {self.max_context}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise NanoQwenError(f"token id {int(ids[(ids < 0) | (ids >= self.config.vocab_size)][0])} is outside "
+                                f"the vocabulary [0, {self.config.vocab_size})")
+        s, state = self.stream, self.state
+        state.tokens[:len(ids)].copy_to_device(ids.astype(np.int32), stream=s)
+        state.pos.copy_to_device(np.zeros(1, np.int32), stream=s)
+        state.next_free_page.copy_to_device(np.zeros(1, np.int32), stream=s)
+        for buffer, value in zip((state.sampling, state.top_k, state.seed), device_params(params)):
+            buffer.copy_to_device(value, stream=s)
+
+    def _request_token(self, index: int) -> None:
+        """Start copying tokens[index] to the host (4 bytes into a pinned slot)."""
+        slot = index % 2
+        self.state.tokens[index:index + 1].copy_to_host(self.buffers.host_tokens[slot:slot + 1], stream=self.stream)
+        self.buffers.token_ready[slot].record(self.stream)
+
+    def _wait_token(self, index: int) -> int:
+        slot = index % 2
+        self.buffers.token_ready[slot].synchronize()
+        return int(self.buffers.host_tokens[slot])
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                 stop_ids: frozenset[int]) -> Iterator[int]:
+        """backend.Backend: run the prompt, then yield each sampled id as soon as it is known."""
+        n = len(prompt_ids)
+        if n + max_new_tokens > self.max_context:
+            raise NanoQwenError(f"{n} prompt tokens + {max_new_tokens} new ones exceed max_context "
+                                f"{self.max_context}")
+        method = method_for(params)
+        self.reset(prompt_ids, params)
+        if max_new_tokens < 1:
+            return
+        self.prefill(n, method)
+        self._request_token(n)
+        for i in range(max_new_tokens):
+            position = n - 1 + i  # the step whose sampled token is tokens[position + 1]
+            if i + 1 < max_new_tokens:
+                self.step(position + 1, method)
+                self._request_token(position + 2)
+            token = self._wait_token(position + 1)
+            yield token
+            if token in stop_ids:
+                return
+
+    def bytes_per_step(self, context: int) -> int:
+        """Bytes a decode step must read from memory at `context` cached positions: the weights
+        (once) and the K and V of every layer (the roofline's numerator)."""
+        cfg = self.config
+        return self.weights.bytes_per_step + 2 * cfg.num_layers * context * cfg.kv_size * 2
+
+    def device_memory_used(self) -> int:
+        """Bytes of device memory in use on this GPU (total - free): the engine's buffers and
+        workspaces, the CUDA context and its modules, and whatever else holds memory there."""
+        free, total = cuda.current_context().get_memory_info()
+        return total - free

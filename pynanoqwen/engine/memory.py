@@ -1,0 +1,74 @@
+"""The engine's memory plan: what it allocates on the device for a model, checked before anything is.
+
+The engine allocates everything once, at load (docs/DECODE.md): the weights as the file stores them
+(q/k/v packed into one matrix, no other copy), the paged FP16 KV cache for `max_context` positions,
+the RoPE tables, one token's activations and the step state, the prefill rows of the largest
+bucket, and the kernels' workspaces. `device_bytes` adds them up from the config alone, so a GPU
+without room is refused with one line before the first copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import NanoQwenError
+from ..kernels.attention_decode import default_num_splits
+from ..kernels import PAGE_SIZE
+from ..kernels.sampling import Sampler
+from ..tensors import stored_tensors
+
+RESERVED_BYTES = 512 * 2**20  # CUDA context, kernel modules, graphs, workspaces: kept free on top
+PREFILL_BUCKETS = tuple(16 << i for i in range(8))  # rows of the prefill graphs: 16, 32, ..., 2048
+
+
+def prefill_buckets(max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1]) -> tuple[int, ...]:
+    """The chunk sizes the batched prefill captures graphs for: 16, 32, ... up to prefill_rows,
+    or only up to the first that holds max_context tokens. The last is the longest chunk."""
+    buckets = [rows for rows in PREFILL_BUCKETS if rows <= prefill_rows]
+    fits = [rows for rows in buckets if rows >= max_context]
+    return tuple(buckets[:buckets.index(fits[0]) + 1] if fits else buckets)
+
+
+def prefill_row_bytes(cfg: ModelConfig) -> int:
+    """Device bytes of one prefill row: h f32, xn f16, qkv f32, q f32, attn f16, mlp f16."""
+    return 6 * cfg.hidden_size + 4 * (cfg.q_size + 2 * cfg.kv_size) + 6 * cfg.q_size + 2 * cfg.intermediate_size
+
+
+def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1],
+                 *, attention_splits: int | None = None) -> dict[str, int]:
+    """What the engine allocates on the device for a model whose file tensors total weight_bytes
+    (prefill_rows 0: no batched prefill). attention_splits sizes the decode attention's workspace;
+    None: the engine's default on the current device (kernels/attention_decode.py)."""
+    pages = -(-max_context // PAGE_SIZE)
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    splits = default_num_splits(cfg.num_kv_heads) if attention_splits is None else attention_splits
+    return {
+        "weights": weight_bytes,
+        "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
+        "rope tables": 2 * max_context * (cfg.head_dim // 2) * 4,
+        "activations and state": (6 * cfg.hidden_size + 4 * qkv + 6 * cfg.q_size + 2 * cfg.intermediate_size
+                                  + 4 * cfg.vocab_size + 4 * (max_context + 1) + 4 * pages + 64),
+        "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
+                                if prefill_rows else 0),
+        "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
+                       + 4 * cfg.num_kv_heads),
+        "reserve": RESERVED_BYTES,
+    }
+
+
+def stored_nbytes(cfg: ModelConfig, lm_head_int4: bool) -> dict[str, int]:
+    """Bytes of each tensor a model stores (tensors.stored_tensors), all of which the engine copies."""
+    return {name: math.prod(shape) * np.dtype(dtype).itemsize
+            for name, (dtype, shape) in stored_tensors(cfg, lm_head_int4).items()}
+
+
+def check_free_memory(needed: dict[str, int], max_context: int, free: int, total: int) -> None:
+    """Raise NanoQwenError, naming every part, when `needed` does not fit the `free` device bytes."""
+    if sum(needed.values()) > free:
+        parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in needed.items())
+        raise NanoQwenError(f"the model needs {sum(needed.values()) / 2**30:.2f} GiB of GPU memory ({parts} GiB, "
+                            f"at max_context {max_context}) but only {free / 2**30:.2f} of {total / 2**30:.2f} GiB "
+                            "are free; lower --max-context or free the GPU")

@@ -1,0 +1,106 @@
+"""The tile shapes of the INT4 GEMM (kernels/gemm_int4.py) and which one serves which prompt size.
+
+Two kernels compute the GEMM, told apart by the type of their tile: a `TileShape` is the mma.sync
+kernel's (gemm_int4.py: BLOCK_M activation rows x BLOCK_N weight rows split over warps), a
+`WgmmaTile` the wgmma kernel's (gemm_int4_wgmma.py: warpgroups of 64 weight rows x tokens). The
+product keeps the tiles some default uses, and bench's GEMM table times all of them (TILE_NAMES);
+`default_tiles_for` is the choice, from that table's measurements (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import GROUP_SIZE
+from .gemm_int4_wgmma import GemmTile, WgmmaTile
+
+K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
+A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
+B_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (16 bytes)
+TILES_PER_GROUP = GROUP_SIZE // K_TILE  # k tiles sharing one scale
+STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory (cuda.shared.array) limit
+
+
+@dataclasses.dataclass(frozen=True)
+class TileShape(GemmTile):
+    """A block's tile: BLOCK_M activation rows x BLOCK_N weight rows (all matrices together),
+    split over WARPS_M x WARPS_N warps; STAGES k tiles in flight."""
+
+    block_m: int
+    block_n: int
+    warps_m: int
+    warps_n: int
+    stages: int = 4
+
+    def check(self, matrices: int) -> None:
+        """Raise ValueError unless every warp gets whole 16 x 8 mma tiles (of each matrix), the
+        prologue's STAGES - 1 tiles fit in the smallest K (one group) and the ring in 48 KiB."""
+        warp_m, warp_n = self.block_m // self.warps_m, self.block_n // self.warps_n
+        if self.block_m % (16 * self.warps_m) or self.block_n % (8 * matrices * self.warps_n) \
+                or warp_n % (8 * matrices) or not 2 <= self.stages <= TILES_PER_GROUP + 1 \
+                or self.shared_bytes > STATIC_SHARED_BYTES:
+            raise ValueError(f"{self} cannot be split into 16 x {8 * matrices} mma tiles per warp "
+                             f"(warp tile {warp_m} x {warp_n}) with 2..{TILES_PER_GROUP + 1} stages in "
+                             f"{STATIC_SHARED_BYTES} bytes of shared memory")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        return 4 * self.stages * (self.block_m * A_ROW_WORDS + self.block_n * B_ROW_WORDS)
+
+    dynamic_shared_bytes = 0  # the ring is a static shared array
+
+
+SMALL = TileShape(16, 128, 1, 4)  # warps of 16 x 32: a handful of tokens
+# wgmma tiles (gemm_int4_wgmma.py): warpgroups of 64 weight rows x tokens per block
+WG1_T64 = WgmmaTile(1, 64, stages=6)  # 64 weight rows x 64 tokens: short prompts
+WG1_T128 = WgmmaTile(1, 128)  # 64 x 128
+WG2_T128 = WgmmaTile(2, 128)  # 128 x 128: the token tile serves two warpgroups
+WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: long prompts
+TILE_NAMES = {SMALL: "small", WG1_T64: "wgmma_64x64", WG1_T128: "wgmma_64x128", WG2_T128: "wgmma_128x128",
+              WG2_T256: "wgmma_128x256"}
+"""Every tile bench's GEMM table times; the name says weight rows x tokens of a wgmma block."""
+
+
+def matrices_of(epilogue: str) -> int:
+    """Weight matrices a GEMM with this epilogue reads: gate and up for gate_up_silu, else one."""
+    return 2 if epilogue == "gate_up_silu" else 1
+
+
+def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
+    """Every tile shape (of TILE_NAMES, or of `tiles_to_try`) that can compute an N x K linear
+    with this epilogue: what bench's GEMM table times and default_tiles_for picks from."""
+    return [tiles for tiles in (TILE_NAMES if tiles_to_try is None else tiles_to_try)
+            if tiles.fits(n, k, matrices_of(epilogue))]
+
+
+SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
+LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win (bench's GEMM table at M = 2048)
+
+
+def default_tiles_for(m: int, n: int, k: int, epilogue: str):
+    """The tile for M activation rows of an N x K linear with this epilogue.
+
+    mma.sync's SMALL to M = 16; beyond, the fastest wgmma tile of bench's GEMM table on the H200
+    at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md, "Prefill GEMM"):
+    - qkv: WG1_T64 to SHORT_PROMPT_ROWS, then WG1_T128;
+    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, WG2_T256 from there;
+    - gate_up: WG1_T64 to 64 rows, WG1_T128 below LONG_PROMPT_ROWS, WG2_T256 from there.
+    Every default is deterministic: split-K, faster for down_proj at 64 and 128 rows, is not one
+    (dev/gemm_wgmma_split_k.py). A tile that does not fit the shape (a small model's) falls back
+    to SMALL, which serves any M.
+    """
+    if m <= 16:
+        return SMALL
+    if epilogue == "gate_up_silu":
+        tiles = WG1_T64 if m <= 64 else WG1_T128 if m < LONG_PROMPT_ROWS else WG2_T256
+    elif m <= SHORT_PROMPT_ROWS:
+        tiles = WG1_T64
+    elif epilogue == "residual":
+        tiles = WG2_T128 if m < LONG_PROMPT_ROWS else WG2_T256
+    else:
+        tiles = WG1_T128
+    return tiles if tiles.fits(n, k, matrices_of(epilogue)) else SMALL

@@ -1,0 +1,42 @@
+"""The kernel variants out of the product (dev/): each compiles for sm_90 without spilling (here,
+on the CPU), and on the GPU each passes its float64 check and its timing harness runs, printing
+the table docs/PERFORMANCE.md quotes (run with -s):
+
+    python -m pytest -m gpu -s tests/test_dev_variants.py
+"""
+
+import re
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import gemm_mma_sync_large
+import gemm_small_vs_wgmma
+import gemm_wgmma_split_k
+import unfused_norm
+from harness import print_table
+from test_kernels_compile import assemble_sm90
+
+VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_small_vs_wgmma, unfused_norm]
+TARGETS = gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets()
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
+def test_variant_compiles_for_sm90_without_spills(target):
+    ptx, _ = cuda.compile_ptx(target.py_func, target.signature, cc=target.cc)
+    for instruction in target.must_contain:
+        assert instruction in ptx, f"{target.name}: no {instruction}"
+    assert ".local" not in ptx
+    report = assemble_sm90(ptx, "sm_" + "".join(map(str, target.cc)))
+    assert [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)] == [0], report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.__name__)
+def test_variant_matches_float64_and_is_timed(variant):
+    results = variant.check(np.random.default_rng())
+    for result in results:
+        print(result.line())
+    assert results and all(r.status == "PASS" for r in results)
+    print_table(variant.__name__, variant.timings())
