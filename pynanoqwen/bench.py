@@ -41,8 +41,11 @@ from . import bench_report, device
 from .config import ModelConfig, preset
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
-from .kernels import GEMV_PATHS
+from .kernels import GEMV_PATHS, PAGE_SIZE
 from .sampling import SamplingParams
+
+
+MIN_TOKENS_FOR_ITL = 3  # a run's first gap overlaps the next step's launch (BenchSettings.validate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +60,12 @@ class BenchSettings:
     baseline: str | None = None  # "torch"
     kernels: bool = True
     gemv_paths: bool = True
-    prefill_lengths: tuple[int, ...] = (128, 512, 2048, 8192)  # () skips the sweep
+    prefill_lengths: tuple[int, ...] = (128, 512, 2048, 8192, 32000)  # () skips; lengths past the model's context too
     gemm_tiles: bool = True
+    contexts: tuple[int, ...] = (512, 4096, 16384, 32000)  # decode ITL sweep; () skips; past the context too
     seed: int = 0
+
+    CONTEXT_GEN_TOKENS = 32  # tokens generated per run of the context sweep
 
     def validate(self) -> "BenchSettings":
         if (self.model is None) == (self.synthetic is None):
@@ -67,8 +73,14 @@ class BenchSettings:
         for name in ("prompt_tokens", "gen_tokens", "repeats", "eager_tokens"):
             if getattr(self, name) < 1:
                 raise NanoQwenError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.gen_tokens < 2:
-            raise NanoQwenError("--gen-tokens must be at least 2 (ITL needs two tokens)")
+        # The engine enqueues step p + 1 before it waits for token p, so the first gap of a run
+        # only measures the host: an interval needs three tokens at least (two gave "0.005 ms").
+        for name in ("gen_tokens", "eager_tokens"):
+            if getattr(self, name) < MIN_TOKENS_FOR_ITL:
+                raise NanoQwenError(f"--{name.replace('_', '-')} must be at least {MIN_TOKENS_FOR_ITL}: the first "
+                                    "gap of a run overlaps the next step's launch, so fewer give no interval")
+        if any(c < 1 for c in self.contexts) or any(n < 1 for n in self.prefill_lengths):
+            raise NanoQwenError("--contexts and the prefill lengths must be positive token counts")
         if self.gemv not in GEMV_PATHS:
             raise NanoQwenError(f"--gemv must be {' or '.join(GEMV_PATHS)}, got {self.gemv!r}")
         if self.baseline not in (None, "torch"):
@@ -79,9 +91,17 @@ class BenchSettings:
             NanoQwenFile(self.model, verify_data=False).close()  # so is a missing or malformed file
         return self
 
+    def fitting(self, model_context: int) -> "BenchSettings":
+        """These settings without the sweep points a model of `model_context` positions cannot hold."""
+        room = model_context - 16
+        return dataclasses.replace(
+            self, prefill_lengths=tuple(n for n in self.prefill_lengths if n <= room),
+            contexts=tuple(c for c in self.contexts if c + self.CONTEXT_GEN_TOKENS <= room))
+
     @property
     def max_context(self) -> int:
-        return max(self.prompt_tokens + self.gen_tokens, *self.prefill_lengths, 0) + 16
+        return max(self.prompt_tokens + self.gen_tokens, *self.prefill_lengths,
+                   *(c + self.CONTEXT_GEN_TOKENS for c in self.contexts), 0) + 16
 
 
 def gpu_info() -> dict:
@@ -145,6 +165,9 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     from .engine import CudaBackend
     from .gpu_timing import copy_bandwidth
 
+    model_context = (preset(settings.synthetic) if settings.synthetic else _file_config(settings.model)) \
+        .max_position_embeddings
+    settings = settings.fitting(model_context)
     started = gpu_info()
     progress("measuring device-to-device copy bandwidth")
     copy_gbs = copy_bandwidth() / 1e9
@@ -179,9 +202,13 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
         "graph_over_eager": eager["itl_ms"]["median"] / graph["itl_ms"]["median"],
         "peak_memory_gib": backend.device_memory_used() / 2**30,
     }
+    if settings.contexts:
+        progress(f"decode at contexts {', '.join(map(str, settings.contexts))}")
+        result["decode_contexts"] = context_sweep(backend, settings, rng, copy_gbs)
     if settings.kernels:
         progress("per-kernel breakdown")
         result["kernels"] = kernel_breakdown(backend, context)
+        result["kernel_summary"] = kernel_summary(result["kernels"], graph["itl_ms"]["median"], cfg)
     if settings.prefill_lengths:
         progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
         result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
@@ -212,6 +239,38 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
                      "copy_gbs": copy_gbs}
     result["gpu"].pop("clocks", None)
     return result
+
+
+def _file_config(path) -> ModelConfig:
+    with NanoQwenFile(path, verify_data=False) as f:
+        return f.config
+
+
+def context_sweep(backend, settings: BenchSettings, rng, copy_gbs: float) -> list[dict]:
+    """Decode ITL after a prompt of each context length (graph mode, greedy): one warm-up run,
+    then `repeats` runs of CONTEXT_GEN_TOKENS tokens; the floor is the step's bytes at the mean
+    context of a run (weights + KV cache) over the copy bandwidth measured in this run."""
+    cfg = backend.config
+    rows = []
+    for context in settings.contexts:
+        prompt = rng.integers(0, min(cfg.vocab_size, 4000), context).tolist()
+        gen = settings.CONTEXT_GEN_TOKENS
+        time_generation(backend, prompt, gen)
+        gaps = [gap for _ in range(settings.repeats) for gap in time_generation(backend, prompt, gen)[1]]
+        itl = bench_report.summarize(gaps)
+        row = {"context": context, "itl_ms": itl,
+               **bench_report.bandwidth(backend.bytes_per_step(context + gen // 2), itl["median"], copy_gbs * 1e9)}
+        rows.append(row)
+    return rows
+
+
+def kernel_summary(kernels: list[dict], itl_ms: float, cfg: ModelConfig) -> dict:
+    """Launches of one decode step (page_alloc runs once every PAGE_SIZE steps and is counted as
+    its share) and the bubble: the graph ITL minus the sum of the kernel groups' own times, each
+    group timed back to back in its own graph (time the step's kernels do not account for)."""
+    kernel_us = sum(k["us"] for k in kernels)
+    return {"launches_per_step": sum(k["launches"] for k in kernels) + 1 / PAGE_SIZE,
+            "kernel_us": kernel_us, "itl_us": 1e3 * itl_ms, "bubble_us": 1e3 * itl_ms - kernel_us}
 
 
 def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:

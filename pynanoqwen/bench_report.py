@@ -9,6 +9,8 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     eager      the same, fewer tokens; graph_over_eager = eager ITL / graph ITL
     bytes      weight bytes and KV bytes read per decode step
     kernels    per-kernel breakdown of one decode step: name, launches, us, bytes, gbs, share
+    kernel_summary  launches_per_step, kernel_us (sum of the groups), itl_us, bubble_us (ITL - kernel_us)
+    decode_contexts ITL at each context: context, itl_ms {median, p10, p90}, gbs, roofline_share, floor_ms
     gemv       prmt vs dp4a at each linear shape: us and GB/s of each
     prefill    TTFT per prompt length: tokens, ttft_ms {median, p10, p90}, tok_s, tflops, peak_tflops
     gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops
@@ -55,6 +57,15 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def share(value: float | None) -> str:
+    """A share of the roofline as a percentage; above 100% it is flagged, since no kernel can read
+    faster than a copy moves bytes: such a figure means the bytes were counted wrong or came from
+    cache, not that the GPU beat its memory."""
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f}%" + (" (above the copy roofline: check the measurement)" if value > 1 else "")
+
+
 def _mode_rows(name: str, mode: dict | None) -> list[str]:
     if not mode:
         return []
@@ -62,7 +73,7 @@ def _mode_rows(name: str, mode: dict | None) -> list[str]:
     return [f"| {name} | {_fmt(mode['ttft_ms']['median'])} | {_fmt(itl['median'], '.3f')} "
             f"({_fmt(itl['p10'], '.3f')}-{_fmt(itl['p90'], '.3f')}) | {_fmt(mode['decode_tok_s'], '.1f')} | "
             f"{_fmt(mode.get('e2e_tok_s'), '.1f')} | {_fmt(mode.get('gbs'), '.0f')} | "
-            f"{_fmt(100 * mode['roofline_share'] if mode.get('roofline_share') else None, '.0f')}% |"]
+            f"{share(mode.get('roofline_share'))} |"]
 
 
 def render_markdown(result: dict) -> str:
@@ -98,12 +109,27 @@ def render_markdown(result: dict) -> str:
                      "(their time / ours; > 1 means we are faster).")
     if result.get("peak_memory_gib") is not None:
         lines.append(f"Peak GPU memory: {result['peak_memory_gib']:.2f} GiB.")
+    if result.get("decode_contexts"):
+        lines += ["", "| decode at context | ITL ms median (p10-p90) | floor ms | GB/s | roofline |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for r in result["decode_contexts"]:
+            itl = r["itl_ms"]
+            lines.append(f"| {r['context']} | {itl['median']:.3f} ({itl['p10']:.3f}-{itl['p90']:.3f}) | "
+                         f"{_fmt(r.get('floor_ms'), '.3f')} | {_fmt(r.get('gbs'), '.0f')} | "
+                         f"{share(r.get('roofline_share'))} |")
     if result.get("kernels"):
-        lines += ["", "| kernel (one decode step) | launches | us total | bytes | GB/s | share of step |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        copy_gbs = result.get("gpu", {}).get("copy_gbs")
+        lines += ["", "| kernel (one decode step) | launches | us total | bytes | GB/s | of copy | share of step |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for k in result["kernels"]:
+            of_copy = k["gbs"] / copy_gbs if k.get("gbs") and copy_gbs else None
             lines.append(f"| {k['name']} | {k['launches']} | {k['us']:.1f} | {k['bytes'] / 1e6:.1f} MB | "
-                         f"{_fmt(k.get('gbs'), '.0f')} | {100 * k['share']:.1f}% |")
+                         f"{_fmt(k.get('gbs'), '.0f')} | {share(of_copy)} | {100 * k['share']:.1f}% |")
+        summary = result.get("kernel_summary")
+        if summary:
+            lines.append(f"\n{summary['launches_per_step']:.2f} launches per step; the kernels sum to "
+                         f"{summary['kernel_us']:.0f} us of the {summary['itl_us']:.0f} us ITL: a bubble of "
+                         f"{summary['bubble_us']:.0f} us (ITL minus the kernels timed back to back).")
     if result.get("gemv"):
         lines += ["", "| GEMV shape (N x K) | prmt us | prmt GB/s | dp4a us | dp4a GB/s |",
                   "| --- | ---: | ---: | ---: | ---: |"]

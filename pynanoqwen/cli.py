@@ -133,6 +133,14 @@ def validate(model, device, prompts, seed, verbose):
         sys.exit(1)
 
 
+def _token_counts(option: str, text: str) -> tuple[int, ...]:
+    """'512,4096' -> (512, 4096); '' -> (); anything else is a NanoQwenError naming the option."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise NanoQwenError(f"{option} takes whole numbers separated by commas, got {text!r}") from None
+
+
 @main.command()
 @click.option("--model", type=click.Path(dir_okay=False), help="A .nanoqwen file to benchmark.")
 @click.option("--synthetic", metavar="PRESET", help="Random weights of a preset's shape (tiny, 0.5b ... 32b), no file.")
@@ -144,12 +152,15 @@ def validate(model, device, prompts, seed, verbose):
 @click.option("--baseline", type=click.Choice(["torch"]), help="Also run transformers + torch on the same weights.")
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
 @click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
-@click.option("--no-prefill-sweep", is_flag=True, help="Skip the TTFT sweep over 128, 512, 2048 and 8192-token prompts.")
+@click.option("--no-prefill-sweep", is_flag=True,
+              help="Skip the TTFT sweep over 128, 512, 2048, 8192 and 32000-token prompts (those the model holds).")
+@click.option("--contexts", default="512,4096,16384,32000", show_default=True, metavar="N,N,...",
+              help="Contexts of the decode ITL sweep (those the model holds); '' skips it.")
 @click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512 and 2048).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every figure to this JSON file.")
 @verbose_option
 def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, gemv, baseline, no_kernels,
-          no_gemv_paths, no_prefill_sweep, no_gemm_tiles, json_path, verbose):
+          no_gemv_paths, no_prefill_sweep, contexts, no_gemm_tiles, json_path, verbose):
     """Measure TTFT, ITL, bandwidth and a kernel breakdown on the GPU; print a markdown table."""
     from .bench import BenchSettings, run_bench
     from .bench_report import render_markdown, write_json
@@ -158,7 +169,7 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
                              repeats=repeats, eager_tokens=eager_tokens, gemv=gemv, baseline=baseline,
                              kernels=not no_kernels, gemv_paths=not no_gemv_paths,
                              prefill_lengths=() if no_prefill_sweep else BenchSettings.prefill_lengths,
-                             gemm_tiles=not no_gemm_tiles).validate()
+                             gemm_tiles=not no_gemm_tiles, contexts=_token_counts("--contexts", contexts)).validate()
     if json_path and not Path(json_path).resolve().parent.is_dir():  # found out now, not after the run
         raise NanoQwenError(f"--json {json_path}: its directory does not exist")
     with library_warnings(verbose):

@@ -185,7 +185,9 @@ def attention_oracle(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_
     2^(+-2 Delta); the row sum and the accumulators over `count` keys, the per-page rescalings
     (whose factor is shared by sum and accumulator, so only their roundings count) and the merge
     of the decode kernel's split partials (at most one per key): (2 count + 8) 2^-23 of the same
-    sum. The output is stored in FP16: u16 |out| + FP16_TINY.
+    sum. The decode kernel feeds the tensor cores q and the weights P each as an FP16 high part plus
+    an FP16 remainder, within 2^-22 of their float32 values: 2 more 2^-23 of sum_d |q_d k_jd| in
+    Delta, and 2^-22 of sum_j w_j |v_j|. The output is stored in FP16: u16 |out| + FP16_TINY.
     """
     rows, heads, d = q.shape
     kv_heads = keys.shape[1]
@@ -201,8 +203,8 @@ def attention_oracle(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_
         weights = np.exp2(scores - scores.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
         expected[:, head] = weights @ v
-        delta = (d + 8) * 2.0**-23 * np.where(visible, np.abs(q64[:, head]) @ np.abs(k).T, 0).max(axis=1)
-        relative = ((U16 if fp16_operands else 0.0) + 2.0**-21 + (2 * count + 8) * 2.0**-23
+        delta = (d + 10) * 2.0**-23 * np.where(visible, np.abs(q64[:, head]) @ np.abs(k).T, 0).max(axis=1)
+        relative = ((U16 if fp16_operands else 2.0**-22) + 2.0**-21 + (2 * count + 8) * 2.0**-23
                     + np.expm1(2 * math.log(2) * delta))
         bound[:, head] = (weights @ np.abs(v)) * relative[:, None] + U16 * np.abs(expected[:, head]) + FP16_TINY
     return expected.reshape(rows, -1), bound.reshape(rows, -1)

@@ -19,8 +19,10 @@ captured output), so a failure names one kernel of one layer, and errors never c
 
     embedding        h is the token's embedding row, exactly
     norms            (where a kernel of its own runs them) xn, all of it
-    qkv              SAMPLED_ROWS output features of W RMSNorm(h) + b, from each of q, k and v
-    rope_kv_write    q, and the K and V cache slots of the positions, all of them
+    qkv              SAMPLED_ROWS output features of W RMSNorm(h) + b, from each of q, k and v; in
+                     decode, where the GEMV's epilogue also rotates and writes K/V, sampled
+                     (d, d + head_dim/2) pairs of q and of the K and V slots
+    rope_kv_write    (prefill) q, and the K and V cache slots of the positions, all of them
     attention        causal softmax over the cached positions, all heads
     o_proj, down     SAMPLED_ROWS features of the residual update
     gate_up          SAMPLED_ROWS features of silu(Wg xn) * (Wu xn)
@@ -191,38 +193,17 @@ def _check_layer(weights: WeightSource, layer: int, stages: dict, h: np.ndarray,
     the oracle of the mode's linears: (expected, bound) [tokens, features]."""
     cfg: ModelConfig = weights.config
     prefix = layer_prefix(layer)
-    heads, kv_heads, hd, q_size, kv_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size
     checks = []
 
-    # QKV: sampled features of each part, against the GPU's own output buffer.
     x, x_error, norm_checks = _normed_input(stages, "input_norm", h, weights.tensor(prefix + "input_layernorm.weight"),
                                             cfg.rms_norm_eps)
     checks += norm_checks
-    qkv = stages["qkv"]["qkv"].astype(np.float64)
-    errors, bounds = [], []
-    for offset, module, n, count in ((0, "q_proj", q_size, SAMPLED_ROWS // 2),
-                                     (q_size, "k_proj", kv_size, SAMPLED_ROWS // 4),
-                                     (q_size + kv_size, "v_proj", kv_size, SAMPLED_ROWS // 4)):
-        features = _sample(rng, n, count)
-        name = f"{prefix}self_attn.{module}"
-        expected, bound = linear(weights, name + ".weight", features, x, x_error)
-        expected = expected + np.asarray(weights.tensor(name + ".bias")[features], np.float64)
-        errors.append(np.abs(qkv[:, offset + features] - expected))
-        bounds.append(bound + U32 * np.abs(expected))
-    checks.append(bound_report("qkv", np.concatenate(errors, 1), np.concatenate(bounds, 1)))
-
-    # RoPE at the positions on q and k, and the K/V slots it writes.
-    _, rotated, f32 = rope_oracle(qkv, positions, heads, kv_heads, hd, cfg.rope_theta)
-    rope = stages["rope_kv_write"]
-    k_slots, v_slots = rope["k"][positions], rope["v"][positions]  # [tokens, kv_heads, hd] float16
-    k_rot = rotated[:, heads:heads + kv_heads]
-    if not np.array_equal(v_slots, rotated[:, heads + kv_heads:].astype(np.float32).astype(np.float16)):
-        checks.append(passed("rope_kv_write", False, "a V slot of the positions is not float16(v)"))
+    if "rope_kv_write" not in stages:  # decode: the QKV GEMV rotates and writes K/V itself
+        checks.append(_fused_qkv_check(weights, layer, stages["qkv"], x, x_error, positions, linear, rng))
+        rope = stages["qkv"]
     else:
-        checks.append(bound_report("rope_kv_write", np.concatenate([
-            np.abs(rope["q"].astype(np.float64) - rotated[:, :heads]).ravel(),
-            np.abs(k_slots.astype(np.float64) - k_rot).ravel()]), np.concatenate([
-                f32[:, :heads].ravel(), (U16 * np.abs(k_rot) + f32[:, heads:heads + kv_heads] + FP16_TINY).ravel()])))
+        checks += _qkv_and_rope_checks(weights, layer, stages, x, x_error, positions, linear, rng)
+        rope = stages["rope_kv_write"]
 
     # Attention of the rotated q over the cached positions (the GPU's cache, as the kernel read it).
     context = int(positions[-1]) + 1
@@ -251,6 +232,86 @@ def _check_layer(weights: WeightSource, layer: int, stages: dict, h: np.ndarray,
     h_out = stages["down"]["h"]
     checks.append(_residual_check("down", weights, prefix + "mlp.down_proj.weight", mlp, h_mid, h_out, linear, rng))
     return checks, h_out
+
+
+def _qkv_and_rope_checks(weights: WeightSource, layer: int, stages: dict, x, x_error, positions, linear,
+                         rng: np.random.Generator) -> list[Check]:
+    """Prefill: sampled features of the QKV output buffer, then RoPE and the K/V slots it wrote."""
+    cfg: ModelConfig = weights.config
+    prefix = layer_prefix(layer)
+    heads, kv_heads, hd, q_size, kv_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size, cfg.kv_size
+    checks = []
+    qkv = stages["qkv"]["qkv"].astype(np.float64)
+    errors, bounds = [], []
+    for offset, module, n, count in ((0, "q_proj", q_size, SAMPLED_ROWS // 2),
+                                     (q_size, "k_proj", kv_size, SAMPLED_ROWS // 4),
+                                     (q_size + kv_size, "v_proj", kv_size, SAMPLED_ROWS // 4)):
+        features = _sample(rng, n, count)
+        name = f"{prefix}self_attn.{module}"
+        expected, bound = linear(weights, name + ".weight", features, x, x_error)
+        expected = expected + np.asarray(weights.tensor(name + ".bias")[features], np.float64)
+        errors.append(np.abs(qkv[:, offset + features] - expected))
+        bounds.append(bound + U32 * np.abs(expected))
+    checks.append(bound_report("qkv", np.concatenate(errors, 1), np.concatenate(bounds, 1)))
+
+    # RoPE at the positions on q and k, and the K/V slots it writes.
+    _, rotated, f32 = rope_oracle(qkv, positions, heads, kv_heads, hd, cfg.rope_theta)
+    rope = stages["rope_kv_write"]
+    k_slots, v_slots = rope["k"][positions], rope["v"][positions]  # [tokens, kv_heads, hd] float16
+    k_rot = rotated[:, heads:heads + kv_heads]
+    if not np.array_equal(v_slots, rotated[:, heads + kv_heads:].astype(np.float32).astype(np.float16)):
+        checks.append(passed("rope_kv_write", False, "a V slot of the positions is not float16(v)"))
+    else:
+        checks.append(bound_report("rope_kv_write", np.concatenate([
+            np.abs(rope["q"].astype(np.float64) - rotated[:, :heads]).ravel(),
+            np.abs(k_slots.astype(np.float64) - k_rot).ravel()]), np.concatenate([
+                f32[:, :heads].ravel(), (U16 * np.abs(k_rot) + f32[:, heads:heads + kv_heads] + FP16_TINY).ravel()])))
+
+    return checks
+
+
+def _fused_qkv_check(weights: WeightSource, layer: int, written: dict, x, x_error, positions, linear,
+                     rng: np.random.Generator) -> Check:
+    """Decode: the QKV GEMV with the RoPE + KV-write epilogue (kernels/gemv_int4.py). Sampled pairs
+    (d, d + head_dim/2) of q, k and v heads: W x + b in float64 for both rows, rotated at the
+    position (q into q, k into its K slot), v into its V slot. Bound: the linear's bounds e1, e2
+    carried through the rotation (|cos| e1 + |sin| e2 <= e1 + e2), the rotation's float32 rounding
+    (oracles.rope_oracle: 16 u32 (|x1| + |x2|)), and for K/V the FP16 store (u16 |y| + FP16_TINY)."""
+    cfg: ModelConfig = weights.config
+    prefix = layer_prefix(layer)
+    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    half, position = hd // 2, int(positions[-1])
+    errors, bounds = [], []
+    for module, part_heads, count, rotate in (("q_proj", heads, SAMPLED_ROWS // 4, True),
+                                              ("k_proj", kv_heads, SAMPLED_ROWS // 8, True),
+                                              ("v_proj", kv_heads, SAMPLED_ROWS // 8, False)):
+        # Random pairs, and dims (0, half) of a random head: the fastest-turning pair, where a wrong
+        # angle shows for certain (the slowest turn by ~theta^-1 radians a position).
+        pairs = np.union1d(_sample(rng, part_heads * half, count), [int(rng.integers(part_heads)) * half])
+        count = len(pairs)
+        head, d = pairs // half, pairs % half
+        first = head * hd + d
+        name = f"{prefix}self_attn.{module}"
+        expected, bound = linear(weights, name + ".weight", np.concatenate([first, first + half]), x, x_error)
+        expected = expected[-1] + np.asarray(weights.tensor(name + ".bias")[np.concatenate([first, first + half])],
+                                             np.float64)
+        bound = bound[-1] + U32 * np.abs(expected)
+        x1, x2, e1, e2 = expected[:count], expected[count:], bound[:count], bound[count:]
+        if rotate:
+            angle = position * cfg.rope_theta ** (-2.0 * d / hd)
+            y1, y2 = x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)
+            e1 = e2 = e1 + e2 + 16 * U32 * (np.abs(x1) + np.abs(x2))
+        else:
+            y1, y2 = x1, x2
+        if module == "q_proj":
+            got = written["q"][-1]
+            errors += [np.abs(got[head, d] - y1), np.abs(got[head, d + half] - y2)]
+            bounds += [e1, e2]
+        else:
+            slots = written["k" if module == "k_proj" else "v"][position].astype(np.float64)
+            errors += [np.abs(slots[head, d] - y1), np.abs(slots[head, d + half] - y2)]
+            bounds += [e1 + U16 * np.abs(y1) + FP16_TINY, e2 + U16 * np.abs(y2) + FP16_TINY]
+    return bound_report("qkv", np.concatenate(errors), np.concatenate(bounds))
 
 
 def _residual_check(name: str, weights: WeightSource, tensor: str, x16: np.ndarray, before: np.ndarray,

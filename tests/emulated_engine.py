@@ -123,6 +123,7 @@ def emulate_probed_step(weights, first: int, token: int, *, fused_norm: bool = T
     captured[None, "embedding"] = {"h": h[0].copy()}
     for layer in range(weights.config.num_layers):
         h, stages = emulation.layer(layer, h, np.array([1]))
+        stages["qkv"] = stages.pop("rope_kv_write")  # decode's QKV GEMV rotates and writes K/V itself
         _keep(captured, layer, stages, lambda a: a[0], fused_norm)
     logits, stages = emulation.head(h[0])
     _keep(captured, None, stages, lambda a: a, fused_norm and weights.lm_head_int4)

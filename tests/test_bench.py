@@ -90,7 +90,9 @@ def test_json_is_atomic_and_complete(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "exactly one of"),
     ({"model": "a", "synthetic": "7b"}, "exactly one of"),
-    ({"synthetic": "7b", "gen_tokens": 1}, "at least 2"),
+    ({"synthetic": "7b", "gen_tokens": 2}, "at least 3"),
+    ({"synthetic": "7b", "eager_tokens": 2}, "at least 3"),  # gave an ITL of 0.005 ms and "21795%"
+    ({"synthetic": "7b", "contexts": (512, 0)}, "positive"),
     ({"synthetic": "7b", "repeats": 0}, "at least 1"),
     ({"synthetic": "7b", "gemv": "x"}, "prmt or dp4a"),
 ])
@@ -99,6 +101,24 @@ def test_settings_refused(kwargs, message):
 
     with pytest.raises(NanoQwenError, match=message):
         BenchSettings(**kwargs).validate()
+
+
+def test_a_share_above_the_copy_roofline_is_flagged_and_the_context_sweep_rendered():
+    result = fake_result(random.Random(3))
+    result["eager"]["roofline_share"] = 217.95  # what two eager tokens printed before they were refused
+    result["decode_contexts"] = [{"context": 4096, "itl_ms": {"median": 2.5, "p10": 2.4, "p90": 2.6, "n": 62},
+                                  **bench_report.bandwidth(3.7e9, 2.5, 4.28e12)}]
+    result["kernel_summary"] = {"launches_per_step": 143.06, "kernel_us": 2000.0, "itl_us": 2200.0, "bubble_us": 200.0}
+    text = bench_report.render_markdown(result)
+    assert "21795% (above the copy roofline: check the measurement)" in text
+    assert "| 4096 | 2.500 (2.400-2.600) | 0.864 | 1480 | 35% |" in text
+    assert "143.06 launches per step" in text and "a bubble of 200 us" in text
+
+
+def test_sweep_points_past_the_models_context_are_dropped():
+    settings = BenchSettings(synthetic="7b").fitting(2048)
+    assert settings.contexts == (512,) and settings.prefill_lengths == (128, 512)
+    assert settings.max_context <= 2048
 
 
 def test_cli_without_gpu_is_one_line_error():

@@ -15,7 +15,7 @@ from pynanoqwen.engine.schedule import DecodeOps, Kernels, PrefillOps, forward_l
 from pynanoqwen.engine.weights import DeviceLayer, DeviceWeights, PrefillLinears
 
 CFG = dataclasses.replace(PRESETS["tiny"], num_layers=2)
-LAYER = ["qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "down"]
+LAYER = ["qkv", "attention", "o_proj", "gate_up", "down"]  # decode's QKV GEMV applies RoPE and writes K/V
 PREFILL_LAYER = ["input_norm", "qkv", "rope_kv_write", "attention", "o_proj", "post_attention_norm", "gate_up", "down"]
 
 
@@ -23,7 +23,7 @@ class Kernel:
     def launch(self, stream, *args, **kwargs):
         raise AssertionError("the schedule builds launches; it does not run them")
 
-    launch_rows = launch
+    launch_rows = launch_rope = launch
 
 
 def buffers(rows=16) -> Buffers:

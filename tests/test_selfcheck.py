@@ -44,7 +44,7 @@ def test_a_correct_step_passes(weights, path, fused_norm):
     # every kernel of every layer was checked, and the head
     names = {c.name for c in checks}
     for layer in range(weights.config.num_layers):
-        for stage in ("qkv", "rope_kv_write", "attention", "o_proj", "gate_up", "down"):
+        for stage in ("qkv", "attention", "o_proj", "gate_up", "down"):  # decode's qkv includes RoPE and the KV write
             assert f"layer {layer} {stage}" in names
     assert {"embedding", "lm_head", "sampler"} <= names
     assert ("layer 0 input norm" in names) == (not fused_norm)
@@ -72,7 +72,7 @@ def test_a_sign_error_in_one_layers_weights_is_named(weights, module, stage):
 def test_rope_at_the_wrong_angle_fails(weights):
     rng = np.random.default_rng()
     checks = check_probed_step(weights, emulate_probed_step(weights, 3, 5, rope_position=2), 5, "prmt", rng)
-    assert {f"layer {i} rope_kv_write" for i in range(weights.config.num_layers)} <= set(failures(checks))
+    assert {f"layer {i} qkv" for i in range(weights.config.num_layers)} <= set(failures(checks))
 
 
 def test_attention_that_skips_a_key_fails(weights):

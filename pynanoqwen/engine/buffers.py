@@ -38,8 +38,7 @@ class StepState:
 class Activations:
     h: object  # float32 [hidden]: the residual stream
     xn: object  # float16 [hidden]: RMSNorm(h), where a kernel does not normalise itself
-    qkv: object  # float32 [q_size + 2 kv_size]
-    q: object  # float32 [heads, head_dim]: rotated
+    q: object  # float32 [heads, head_dim]: rotated (the QKV GEMV's epilogue writes it)
     attn: object  # float16 [q_size]
     mlp: object  # float16 [intermediate]: silu(gate) * up
     logits: object  # float32 [vocab]
@@ -87,10 +86,8 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
                       page_table=cuda.device_array(pages, np.int32), next_free_page=cuda.device_array(1, np.int32),
                       sampling=cuda.device_array(2, np.float32), top_k=cuda.device_array(1, np.int32),
                       seed=cuda.device_array(1, np.uint64))
-    qkv = cfg.q_size + 2 * cfg.kv_size
     act = Activations(h=cuda.device_array(cfg.hidden_size, np.float32),
                       xn=cuda.device_array(cfg.hidden_size, np.float16),
-                      qkv=cuda.device_array(qkv, np.float32),
                       q=cuda.device_array((cfg.num_heads, cfg.head_dim), np.float32),
                       attn=cuda.device_array(cfg.q_size, np.float16),
                       mlp=cuda.device_array(cfg.intermediate_size, np.float16),

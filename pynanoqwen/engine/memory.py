@@ -43,13 +43,12 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
     (prefill_rows 0: no batched prefill). attention_splits sizes the decode attention's workspace;
     None: the engine's default on the current device (kernels/attention_decode.py)."""
     pages = -(-max_context // PAGE_SIZE)
-    qkv = cfg.q_size + 2 * cfg.kv_size
     splits = default_num_splits(cfg.num_kv_heads) if attention_splits is None else attention_splits
     return {
         "weights": weight_bytes,
         "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
         "rope tables": 2 * max_context * (cfg.head_dim // 2) * 4,
-        "activations and state": (6 * cfg.hidden_size + 4 * qkv + 6 * cfg.q_size + 2 * cfg.intermediate_size
+        "activations and state": (6 * cfg.hidden_size + 6 * cfg.q_size + 2 * cfg.intermediate_size
                                   + 4 * cfg.vocab_size + 4 * (max_context + 1) + 4 * pages + 64),
         "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
                                 if prefill_rows else 0),

@@ -11,11 +11,12 @@ name, its layer, the bound method and its arguments, the buffers it writes (what
 back), and the bytes of memory traffic it must cause (what bench divides by its time). A stage
 means the same thing in both modes, so the self-check can name it:
 
-    page_alloc -> embedding -> per layer: [input_norm] -> qkv -> rope_kv_write -> attention ->
+    page_alloc -> embedding -> per layer: [input_norm] -> qkv -> [rope_kv_write] -> attention ->
     o_proj -> [post_attention_norm] -> gate_up -> down -> [last_row] -> [final_norm] -> lm_head -> sampler
 
 How a stage launches is the mode's business: `DecodeOps` (one token: GEMVs that normalise their
-own input, so no norm launches; the paged KV write at pos; decode attention) and `PrefillOps` (the
+own input, so no norm launches; the QKV GEMV's epilogue adds the bias, applies RoPE and writes the
+position's K/V page slots, so no rope_kv_write launch; decode attention) and `PrefillOps` (the
 chunk's rows: rmsnorm_rows, the tensor-core GEMMs, rope_kv_write over rows, prefill attention; then
 last_row hands the chunk's last row to the decode buffers, whose lm_head and sampler finish it).
 """
@@ -98,7 +99,7 @@ def layer_launches(ops: "DecodeOps", index: int) -> list[Launch]:
     layer = ops.weights.layers[index]
     return [*ops.norm("input_norm", index, layer.input_norm),
             ops.qkv(index, layer),
-            ops.rope_kv_write(index),
+            *ops.rope_kv_write(index),
             ops.attention(index),
             ops.o_proj(index, layer),
             *ops.norm("post_attention_norm", index, layer.post_attention_norm),
@@ -147,19 +148,19 @@ class DecodeOps:
         return []  # the QKV and gate-up GEMVs normalise h themselves
 
     def qkv(self, index: int, layer: DeviceLayer) -> Launch:
-        h, n = self.cfg.hidden_size, self.cfg.q_size + 2 * self.cfg.kv_size
-        # h float32 and the norm weight: 6 bytes per input, against the 2 of gemv_bytes' FP16 x.
-        return self._launch("qkv", index, layer.qkv.launch, (self.act.h, self.act.qkv), {"qkv": self.act.qkv},
-                            gemv_bytes(n, h) + 4 * h + 6 * n, f"gemv {self.gemv} +rmsnorm")
-
-    def rope_kv_write(self, index: int) -> Launch:
         cfg, a, s = self.cfg, self.act, self.state
+        h, n = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         k, v = self.kv.k[index], self.kv.v[index]
-        n = cfg.q_size + 2 * cfg.kv_size
-        return self._launch("rope_kv_write", index, self.kernels.rope_kv_write.launch,
-                            (a.qkv, self.buffers.rope_cos, self.buffers.rope_sin, s.pos, s.page_table, a.q, k, v),
+        # h float32 and the norm weight (6 bytes per input, against the 2 of gemv_bytes' FP16 x), the
+        # bias, q written (float32), the position's K and V (FP16) and its RoPE angles.
+        return self._launch("qkv", index, layer.qkv.launch_rope,
+                            (a.h, a.q, k, v, s.page_table, s.pos, self.buffers.rope_cos, self.buffers.rope_sin),
                             {"q": a.q, "k_pages": k, "v_pages": v},
-                            4 * n + 4 * cfg.q_size + 4 * cfg.kv_size + 4 * cfg.head_dim)
+                            gemv_bytes(n, h) + 4 * h + 2 * n + 4 * cfg.q_size + 4 * cfg.kv_size + 4 * cfg.head_dim,
+                            f"gemv {self.gemv} +rmsnorm +rope")
+
+    def rope_kv_write(self, index: int) -> list[Launch]:
+        return []  # the QKV GEMV's epilogue does it
 
     def attention(self, index: int) -> Launch:
         cfg, a, s = self.cfg, self.act, self.state
@@ -242,14 +243,14 @@ class PrefillOps(DecodeOps):
         return self._launch("qkv", index, layer.prefill.qkv.launch, (self.b.xn, self.b.qkv, self.rows),
                             {"qkv": self.b.qkv}, self._gemm(n, self.cfg.hidden_size, 4) + 2 * n, "gemm")
 
-    def rope_kv_write(self, index: int) -> Launch:
+    def rope_kv_write(self, index: int) -> list[Launch]:
         cfg, b, s = self.cfg, self.b, self.state
         k, v = self.kv.k[index], self.kv.v[index]
         n = cfg.q_size + 2 * cfg.kv_size
-        return self._launch("rope_kv_write", index, self.kernels.rope_kv_write.launch_rows,
-                            (b.qkv, self.buffers.rope_cos, self.buffers.rope_sin, self.start, self.m, s.page_table,
-                             b.q, k, v), {"q": b.q, "k_pages": k, "v_pages": v},
-                            self.rows * (4 * n + 4 * cfg.q_size + 4 * cfg.kv_size + 4 * cfg.head_dim), "rows")
+        return [self._launch("rope_kv_write", index, self.kernels.rope_kv_write.launch_rows,
+                             (b.qkv, self.buffers.rope_cos, self.buffers.rope_sin, self.start, self.m, s.page_table,
+                              b.q, k, v), {"q": b.q, "k_pages": k, "v_pages": v},
+                             self.rows * (4 * n + 4 * cfg.q_size + 4 * cfg.kv_size + 4 * cfg.head_dim), "rows")]
 
     def attention(self, index: int) -> Launch:
         cfg, b, s = self.cfg, self.b, self.state

@@ -95,7 +95,7 @@ def load_weights(source, cfg: ModelConfig, gemv: str, stream, *, prefill: bool) 
             input_norm=input_norm,
             post_attention_norm=post_attention_norm,
             qkv=make_gemv_int4(q + 2 * kv, h, qkv_q, qkv_s, path=gemv, bias=qkv_bias, norm_weight=input_norm,
-                               norm_eps=cfg.rms_norm_eps),
+                               norm_eps=cfg.rms_norm_eps, rope_heads=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)),
             o_proj=make_gemv_int4(h, q, o_q, o_s, path=gemv),
             gate_up=make_gate_up_silu(i, h, gate_q, gate_s, up_q, up_s, path=gemv, norm_weight=post_attention_norm,
                                       norm_eps=cfg.rms_norm_eps),
