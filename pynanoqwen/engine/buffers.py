@@ -99,7 +99,7 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
         rows = buckets[-1]
         full = PrefillRows(h=_zeros((rows, cfg.hidden_size), np.float32, stream),
                            xn=_zeros((rows, cfg.hidden_size), np.float16, stream),
-                           qkv=_zeros((rows, qkv), np.float32, stream),
+                           qkv=_zeros((rows, cfg.q_size + 2 * cfg.kv_size), np.float32, stream),
                            q=_zeros((rows, cfg.num_heads, cfg.head_dim), np.float32, stream),
                            attn=_zeros((rows, cfg.q_size), np.float16, stream),
                            mlp=_zeros((rows, cfg.intermediate_size), np.float16, stream))
