@@ -16,7 +16,6 @@ from pathlib import Path
 
 from . import device as cuda_device
 from .backends import Backend, load_backend
-from .data import EMBEDDED_MODEL
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .kernels import GEMV_PATHS
@@ -190,6 +189,8 @@ def resolve_model(model: str | None) -> Path:
     """The model file to run: --model, or the embedded tiny-coder (pynanoqwen/data) without one."""
     if model is not None:
         return Path(model)
+    from .data import EMBEDDED_MODEL
+
     if not EMBEDDED_MODEL.is_file():
         raise NanoQwenError(f"no --model given and the embedded model {EMBEDDED_MODEL} is missing "
                             "(a broken install?); pass --model FILE")

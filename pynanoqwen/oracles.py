@@ -177,17 +177,19 @@ def attention_oracle(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_
     head h reading KV head h // (heads / kv_heads). Returns [rows, heads * d].
 
     Both attention kernels work in the log2 domain: q scaled by log2(e) / sqrt(d), weights by
-    exp2 (ex2, relative error ~2^-22 each, in numerator and denominator: 2^-21). The prefill
-    kernel (fp16_operands) feeds the tensor cores fp16(scaled q), so the oracle takes q at that
-    precision, and rounds the weights P to FP16 before P V: 2^-11 of sum_j w_j |v_j|. Float32:
+    exp2 (ex2, relative error ~2^-22 each). The prefill kernel (fp16_operands) feeds the tensor
+    cores fp16(scaled q), so the oracle takes q at that precision, and rounds the weights P to
+    FP16 before P V: 2^-11 of sum_j w_j |v_j|. Float32:
     scores over d products and the scaling of q, off by at most Delta = (d + 8) 2^-23
     max_j sum_d |q_d k_jd| in log2 units, which moves the normalised weights by a factor within
-    2^(+-2 Delta); the row sum and the accumulators over `count` keys, the per-page rescalings
-    (whose factor is shared by sum and accumulator, so only their roundings count) and the merge
-    of the decode kernel's split partials (at most one per key): (2 count + 8) 2^-23 of the same
-    sum. The decode kernel feeds the tensor cores q and the weights P each as an FP16 high part plus
-    an FP16 remainder, within 2^-22 of their float32 values: 2 more 2^-23 of sum_d |q_d k_jd| in
-    Delta, and 2^-22 of sum_j w_j |v_j|. The output is stored in FP16: u16 |out| + FP16_TINY.
+    2^(+-2 Delta); the score sums, the row sum and the accumulators over `count` keys, the
+    rescalings (whose factor is shared by sum and accumulator, so only their roundings count) and
+    the exp2s: (count + d + 4) 2^-23 of the same sum (the bound tests/test_attention_prefill_gpu.py
+    derives), and the merge of the decode kernel's split partials, at most one per key: count
+    2^-23 more. The decode kernel feeds the tensor cores q and the weights P each as an FP16 high
+    part plus an FP16 remainder, within 2^-22 of their float32 values: 2 more 2^-23 of
+    sum_d |q_d k_jd| in Delta, and 2^-22 of sum_j w_j |v_j|. The output is stored in FP16:
+    u16 |out| + FP16_TINY.
     """
     rows, heads, d = q.shape
     kv_heads = keys.shape[1]
@@ -204,7 +206,7 @@ def attention_oracle(q: np.ndarray, keys: np.ndarray, values: np.ndarray, query_
         weights /= weights.sum(axis=1, keepdims=True)
         expected[:, head] = weights @ v
         delta = (d + 10) * 2.0**-23 * np.where(visible, np.abs(q64[:, head]) @ np.abs(k).T, 0).max(axis=1)
-        relative = ((U16 if fp16_operands else 2.0**-22) + 2.0**-21 + (2 * count + 8) * 2.0**-23
+        relative = ((U16 if fp16_operands else 2.0**-22) + (2 * count + d + 4) * 2.0**-23
                     + np.expm1(2 * math.log(2) * delta))
         bound[:, head] = (weights @ np.abs(v)) * relative[:, None] + U16 * np.abs(expected[:, head]) + FP16_TINY
     return expected.reshape(rows, -1), bound.reshape(rows, -1)
