@@ -10,7 +10,7 @@ only with overwrite=True, which the command passes for --force), config.json, th
 must compile), generation_config.json's end-of-generation ids, the index, every safetensors
 header, and the tensor set against tensors.hf_tensors (no tensor missing, none extra, every shape
 right). Values are checked while streaming: a NaN or Inf, or a value beyond FP16's range, stops
-the conversion naming the tensor. fileformat.NanoQwenWriter writes a temp file and renames it only
+the conversion naming the tensor. filewriter.NanoQwenWriter writes a temp file and renames it only
 on success, so a failed or interrupted (Ctrl-C, SIGTERM, SIGHUP) conversion leaves no output and
 an existing OUT untouched. Temp files of earlier conversions that were killed outright (SIGKILL,
 a crash of the machine) are named at the start, never removed: they are not this run's.
@@ -50,7 +50,8 @@ import numpy as np
 from .checkpoint import bf16_bits_to_float32
 from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_json_object
 from .errors import CheckpointError, ConfigError, FormatError
-from .fileformat import MAX_EXTRA_EOS, NanoQwenWriter, leftover_temp_files
+from .fileformat import MAX_EXTRA_EOS
+from .filewriter import NanoQwenWriter, leftover_temp_files
 from .quant import quantize_int4
 from .tensors import QWEIGHT, SCALES, hf_tensors, is_quantized, stored_tensors
 from .tokenizer import compile_chat_template

@@ -6,7 +6,7 @@ instead of being shipped. Two forms with the same values:
 - `SyntheticWeights(cfg or preset name, seed)`: a WeightSource (reference.WeightSource: .config,
   .lm_head_int4, .tensor(name)) that makes each tensor when asked for it. The engine, the
   reference model and the torch baseline read it like a NanoQwenFile; no disk involved.
-- `write_synthetic_nanoqwen(path, cfg, seed)`: the same tensors through fileformat.NanoQwenWriter,
+- `write_synthetic_nanoqwen(path, cfg, seed)`: the same tensors through filewriter.NanoQwenWriter,
   with checkpoint.train_tokenizer's small BPE (bos/eos become its ids, as make_checkpoint does).
 
 Weights follow pynanoqwen/checkpoint.py's recipe: N(0, 0.02) for embeddings, linears, lm_head and
@@ -29,7 +29,7 @@ import numpy as np
 
 from .checkpoint import INIT_STD, MAX_TOKENIZER_VOCAB, train_tokenizer
 from .config import GROUP_SIZE, ModelConfig, preset
-from .fileformat import NanoQwenWriter
+from .filewriter import NanoQwenWriter
 from .quant import quantize_int4
 from .tensors import QWEIGHT, SCALES, stored_tensors
 

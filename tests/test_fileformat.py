@@ -29,8 +29,20 @@ from hypothesis import strategies as st
 from pynanoqwen.cli import main as cli
 from pynanoqwen.config import PRESETS, ModelConfig
 from pynanoqwen.errors import ConfigError, FormatError
-from pynanoqwen.fileformat import (ENTRY, ENTRY_FIELDS, ENTRY_SIZE, HEADER, HEADER_FIELDS, TOKENIZER_PRELUDE,
-                                   Entry, Header, NanoQwenFile, NanoQwenWriter, describe, pack_header)
+from pynanoqwen.fileformat import (
+    ENTRY,
+    ENTRY_FIELDS,
+    ENTRY_SIZE,
+    HEADER,
+    HEADER_FIELDS,
+    TOKENIZER_PRELUDE,
+    Entry,
+    Header,
+    NanoQwenFile,
+    describe,
+    pack_header,
+)
+from pynanoqwen.filewriter import NanoQwenWriter
 from pynanoqwen.tensors import stored_tensors
 
 TINY = PRESETS["tiny"]
@@ -643,7 +655,7 @@ def test_writer_refuses_bad_extra_eos_ids(tmp_path, ids, message):
 
 
 def test_leftover_temp_files_are_found_by_name(tmp_path):
-    from pynanoqwen.fileformat import leftover_temp_files, temp_path
+    from pynanoqwen.filewriter import leftover_temp_files, temp_path
 
     out = tmp_path / "m.nanoqwen"
     mine = temp_path(out)

@@ -19,7 +19,8 @@ from pynanoqwen.checkpoint import make_checkpoint
 from pynanoqwen.cli import main
 from pynanoqwen.convert import convert_checkpoint
 from pynanoqwen.errors import NanoQwenError
-from pynanoqwen.fileformat import NanoQwenFile, NanoQwenWriter
+from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.filewriter import NanoQwenWriter
 from pynanoqwen.reference import ReferenceModel
 from pynanoqwen.sampling import SamplingParams, sample
 from pynanoqwen.tokenizer import Tokenizer

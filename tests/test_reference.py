@@ -19,7 +19,8 @@ import pytest
 from pynanoqwen import reference
 from pynanoqwen.config import PRESETS
 from pynanoqwen.errors import NanoQwenError
-from pynanoqwen.fileformat import NanoQwenFile, NanoQwenWriter
+from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.filewriter import NanoQwenWriter
 from pynanoqwen.quant import SLOT_TO_WEIGHT, dequantize_int4, quantize_int4
 from pynanoqwen.reference import (InMemoryWeights, ReferenceModel, apply_rope, attention,
                                   causal_attention, dequantized_nbytes, linear_int4, rms_norm,
