@@ -1,0 +1,149 @@
+"""`python -m pynanoqwen serve`: load the model as `generate` does, then serve it over HTTP.
+
+The order: check the options, bind the socket (a taken port fails before minutes of loading),
+load the tokenizer and the backend (generate.load_backend: the GPU engine when there is a GPU,
+the numpy reference otherwise), self-check it on the GPU, compile its prefill graphs, then print
+the URLs and hand the socket to uvicorn. `ServerThread` runs the same app on a thread, for tests
+and the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from ..cpu_pages import PagedCpuBackend
+from ..errors import NanoQwenError
+from ..fileformat import NanoQwenFile
+from ..generate import DEFAULT_MAX_CONTEXT, CpuBackend, load_backend, resolve_device, resolve_model
+from ..prefix_cache import PrefixCache
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .app import build_app
+from .metrics import Metrics
+from .protocol import ModelInfo
+from .scheduler import Scheduler
+
+DEFAULT_PORT = 8080
+DEFAULT_MAX_QUEUE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """Everything `python -m pynanoqwen serve` takes."""
+
+    model: str | None = None
+    device: str | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_context: int = DEFAULT_MAX_CONTEXT
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    prefix_cache: bool = True
+    self_check: bool = True
+
+    def validate(self) -> "ServeOptions":
+        if not 0 <= self.port <= 65535:
+            raise NanoQwenError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.max_context < 2:
+            raise NanoQwenError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.max_queue < 0:
+            raise NanoQwenError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise NanoQwenError("--api-key is empty")
+        return self
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as err:
+        raise NanoQwenError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
+               on_status: Callable[[str], None]):
+    """(backend, ModelInfo) for the model file at `path` on `device`, ready to serve."""
+    with NanoQwenFile(path, verify_data=False) as f:
+        config = f.config
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, bos_token_id=config.bos_token_id,
+                                              eos_token_id=config.eos_token_id)
+    max_context = min(max_context, config.max_position_embeddings)
+    on_status(f"loading {path} ({path.stat().st_size / 1e6:.1f} MB, {config.num_layers} layers, context "
+              f"{max_context}) on {'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}")
+    backend = load_backend(path, device, max_context)
+    if device == "cuda" and self_check:
+        from ..selfcheck import require_self_check
+
+        on_status(require_self_check(backend, path))
+    prepare = getattr(backend, "prepare", None)  # the GPU engine compiles its prefill graphs before serving
+    if prepare is not None:
+        on_status("compiling the prefill graphs")
+        for rows in getattr(backend, "prefill_buckets", ()):
+            for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+                prepare(rows, params)
+    if isinstance(backend, CpuBackend):  # the reference keeps its KV in pages for the prefix cache
+        backend = PagedCpuBackend(backend.model)
+    return backend, ModelInfo(path.stem, tokenizer, max_context, config.vocab_size)
+
+
+def make_app(backend, model: ModelInfo, *, api_key: str | None, max_queue: int, prefix_cache: bool):
+    """The app serving `backend`; the prefix cache only where the backend keeps paged KV."""
+    paged = prefix_cache and hasattr(backend, "generate_paged")
+    cache = PrefixCache(backend.num_pages, backend.page_size) if paged else None
+    metrics = Metrics(cache)
+    return build_app(Scheduler(backend, model.tokenizer, metrics, max_queue, cache), model, metrics, api_key)
+
+
+def uvicorn_server(app) -> uvicorn.Server:
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+
+
+def serve(options: ServeOptions, on_status: Callable[[str], None]) -> None:
+    options.validate()
+    model_path = resolve_model(options.model)
+    sock = bind(options.host, options.port)
+    device = resolve_device(options.device, on_status)
+    backend, model = load_model(model_path, device, options.max_context, self_check=options.self_check,
+                                on_status=on_status)
+    app = make_app(backend, model, api_key=options.api_key, max_queue=options.max_queue,
+                   prefix_cache=options.prefix_cache)
+    host, port = sock.getsockname()[:2]
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    on_status(f"serving `{model.id}` at {base}: OpenAI base URL {base}/v1, llama.cpp /infill {base}/infill "
+              f"(Ctrl-C stops)")
+    uvicorn_server(app).run(sockets=[sock])
+
+
+class ServerThread:
+    """The app on a uvicorn server in a background thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        self.sock = bind("127.0.0.1", 0)
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.server = uvicorn_server(app)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread died while starting")
+            self.thread.join(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
