@@ -20,6 +20,18 @@ def ids(model, *texts):
     return [token for text in texts for token in model.tokenizer.encode(text)]
 
 
+def wait_until(condition, timeout_s=30.0):
+    deadline = time.perf_counter() + timeout_s
+    while not condition():
+        assert time.perf_counter() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def queued(url):
+    with httpx.Client(base_url=url) as http:
+        return metric(http.get("/metrics").text, "pynanoqwen_queued_requests")
+
+
 def complete(url, model, **body):
     with httpx.Client(base_url=url, timeout=60) as http:
         return http.post("/v1/completions", json={"model": model.id, "prompt": "x", "max_tokens": 64, **body})
@@ -94,10 +106,10 @@ def test_a_disconnect_stops_generation_within_a_step_and_the_next_request_is_ser
         with httpx.Client(base_url=url) as http:
             text = http.get("/metrics").text
     # The cancelled request ran at most a few more steps: the next one waited for those alone.
-    assert backend.steps - steps_at_disconnect <= 1 + 4
-    assert served_in < 10 * STEP_S
+    assert backend.steps - steps_at_disconnect <= 5
+    assert served_in < 20 * STEP_S  # not the 10 s the cancelled request had left
     assert metric(text, "pynanoqwen_cancelled_requests_total", reason="disconnect") == 1
-    assert metric(text, "pynanoqwen_cancel_latency_seconds_sum") < 4 * STEP_S
+    assert metric(text, "pynanoqwen_cancel_latency_seconds_sum") < 5 * STEP_S
 
 
 def test_a_full_queue_is_503_with_retry_after():
@@ -105,13 +117,13 @@ def test_a_full_queue_is_503_with_retry_after():
     backend.script = ids(model, "tok ") * 20  # one second each
     with serving(backend, model, max_queue=1) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = pool.submit(complete, url, model, max_tokens=20)
-        time.sleep(5 * STEP_S)
-        queued = pool.submit(complete, url, model, max_tokens=20)
-        time.sleep(5 * STEP_S)
+        wait_until(lambda: backend.steps > 0)
+        waiting = pool.submit(complete, url, model, max_tokens=20)
+        wait_until(lambda: queued(url) == 1)
         refused = complete(url, model, max_tokens=20)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "queue_full"
-        assert running.result().status_code == 200 and queued.result().status_code == 200
+        assert running.result().status_code == 200 and waiting.result().status_code == 200
 
 
 def test_a_newer_infill_from_the_same_client_supersedes_the_older():
@@ -125,10 +137,11 @@ def test_a_newer_infill_from_the_same_client_supersedes_the_older():
 
     with serving(backend, model) as url, concurrent.futures.ThreadPoolExecutor(3) as pool:
         old = pool.submit(infill, "editor")
+        wait_until(lambda: backend.steps > 0)
         other = pool.submit(infill, "another editor", n_predict=3)  # queued behind: not superseded
-        time.sleep(5 * STEP_S)
+        wait_until(lambda: queued(url) == 1)
         warm = pool.submit(infill, "editor", n_predict=0)  # a cache warm-up supersedes nothing
-        time.sleep(2 * STEP_S)
+        wait_until(lambda: queued(url) == 2)
         start = time.perf_counter()
         new = infill("editor", n_predict=2)
         waited = time.perf_counter() - start

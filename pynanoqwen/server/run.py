@@ -75,17 +75,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
-               on_status: Callable[[str], None]):
-    """(backend, ModelInfo) for the model file at `path` on `device`, ready to serve."""
+def model_info(path: Path, max_context: int) -> ModelInfo:
+    """What the routes need of the model file at `path`: its tokenizer and context, without loading it."""
     with NanoQwenFile(path, verify_data=False) as f:
         config = f.config
         tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, bos_token_id=config.bos_token_id,
                                               eos_token_id=config.eos_token_id)
-    max_context = min(max_context, config.max_position_embeddings)
-    on_status(f"loading {path} ({path.stat().st_size / 1e6:.1f} MB, {config.num_layers} layers, context "
-              f"{max_context}) on {'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}")
-    backend = load_backend(path, device, max_context)
+    return ModelInfo(path.stem, tokenizer, min(max_context, config.max_position_embeddings), config.vocab_size)
+
+
+def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
+               on_status: Callable[[str], None]):
+    """(backend, ModelInfo) for the model file at `path` on `device`, ready to serve."""
+    model = model_info(path, max_context)
+    on_status(f"loading {path} ({path.stat().st_size / 1e6:.1f} MB, context {model.max_context}) on "
+              f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}")
+    backend = load_backend(path, device, model.max_context)
     if device == "cuda" and self_check:
         from ..selfcheck import require_self_check
 
@@ -98,7 +103,7 @@ def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
                 prepare(rows, params)
     if isinstance(backend, CpuBackend):  # the reference keeps its KV in pages for the prefix cache
         backend = PagedCpuBackend(backend.model)
-    return backend, ModelInfo(path.stem, tokenizer, max_context, config.vocab_size)
+    return backend, model
 
 
 def make_app(backend, model: ModelInfo, *, api_key: str | None, max_queue: int, prefix_cache: bool):
