@@ -38,7 +38,7 @@ from .protocol import ENDPOINTS, ModelInfo
 from .responses import Formatter, cancelled_error
 from .scheduler import Job, QueueFull, Scheduler, Text
 
-MAX_BODY_BYTES = 16 * 2**20  # a 32k-token prompt is ~128 KB of text; this leaves room for input_extra
+MAX_BODY_BYTES = 16 * 2**20  # far more text than a 32k-token context holds
 PUBLIC_PATHS = ("/health", "/openapi.json")
 RETRY_AFTER_S = 1
 
@@ -70,25 +70,20 @@ async def read_json(request: Request):
         raise ApiError(400, f"We could not parse the JSON body of your request ({err}).", code="invalid_json") from None
 
 
-async def _disconnected(receive) -> None:
-    """Returns when the client has gone (after the body was read, receive() only reports that)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+def watch_disconnect(job: Job, receive) -> asyncio.Task:
+    """A task that cancels the job when its client goes away (once the body is read, receive()
+    only reports that). The job then ends with a Done within one decode step, as always."""
+    async def watch():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        job.cancel("disconnect")
 
-
-async def _next_event(job: Job, gone: asyncio.Task):
-    """The job's next event, or None once the client has gone."""
-    getter = asyncio.ensure_future(job.events.get())
-    await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
-    if getter.done():
-        return getter.result()
-    getter.cancel()
-    return None
+    return asyncio.ensure_future(watch())
 
 
 class EventStream:
-    """The streamed answer of one job (an ASGI response): its events as they come, until its
-    Done, or until the client goes, which cancels the job."""
+    """The streamed answer of one job (an ASGI response): its events as they come, until its Done.
+    After a disconnect the server still writes, and uvicorn drops what it writes."""
 
     def __init__(self, job: Job, formatter: Formatter):
         self.job, self.formatter = job, formatter
@@ -97,21 +92,17 @@ class EventStream:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                                 (b"x-accel-buffering", b"no")]})
-        gone = asyncio.ensure_future(_disconnected(receive))
+        watcher = watch_disconnect(self.job, receive)
         try:
             for data in self.formatter.opening():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-            while (event := await _next_event(self.job, gone)) is not None:
-                if isinstance(event, Text):
-                    await send({"type": "http.response.body", "body": self.formatter.piece(event), "more_body": True})
-                    continue
-                for data in self.formatter.closing(event):
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            self.job.cancel("disconnect")
+            while isinstance(event := await self.job.events.get(), Text):
+                await send({"type": "http.response.body", "body": self.formatter.piece(event), "more_body": True})
+            for data in self.formatter.closing(event):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            gone.cancel()
+            watcher.cancel()
 
 
 class Gate:
@@ -182,13 +173,14 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
                    "max_context": model.max_context}
 
     async def generation(request: Request):
+        arrival = time.perf_counter()
         body = await read_json(request)
         generation_request, reply = ENDPOINTS[request.url.path][1](body, model)
         client = (request.client.host if request.client else "", request.headers.get("user-agent", ""))
         if reply.supersedes and client in infill_jobs:
             infill_jobs.pop(client).cancel("superseded")
         try:
-            job = scheduler.submit(generation_request)
+            job = scheduler.submit(generation_request, arrival)
         except QueueFull:
             raise ApiError(503, f"The server is busy: {scheduler.max_queue} requests are already waiting.",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -197,16 +189,13 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
         formatter = Formatter(reply, model.id)
         if reply.stream:
             return EventStream(job, formatter)
-        gone = asyncio.ensure_future(_disconnected(request.receive))
+        watcher = watch_disconnect(job, request.receive)
         texts = []
         try:
-            while (event := await _next_event(job, gone)) is not None and isinstance(event, Text):
+            while isinstance(event := await job.events.get(), Text):
                 texts.append(event.text)
         finally:
-            gone.cancel()
-        if event is None:  # nobody is listening for the answer any more
-            job.cancel("disconnect")
-            return Response(status_code=204)
+            watcher.cancel()
         if infill_jobs.get(client) is job:
             del infill_jobs[client]
         if event.error is not None or event.reason == "cancelled":

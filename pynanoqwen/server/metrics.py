@@ -1,7 +1,8 @@
 """What /metrics reports, in Prometheus' text format (prometheus_client), one registry per server.
 
 Latencies are measured in the engine's worker thread: time to first token from the moment the
-request's body was read (so it includes the queue and the prefill), inter-token latency between
+route took the request (so it includes reading, checking and tokenizing it, the queue and the
+prefill), inter-token latency between
 consecutive tokens of one generation, cancellation latency from the cancel (a client gone, or a
 newer /infill) to the engine being free. The prefix-cache figures are read from the cache's own
 counters when scraped; hit rate = prompt tokens served from cached pages / prompt tokens.

@@ -35,8 +35,11 @@ def sse(payload) -> bytes:
 
 
 def cancelled_error(done: Done) -> ApiError:
+    """The answer to a cancelled request (a client that disconnected gets it too, and drops it)."""
     if done.cancel_reason == "superseded":
         return ApiError(409, "Superseded by a newer /infill request from the same client.", code="superseded")
+    if done.cancel_reason == "disconnect":
+        return ApiError(499, "The client disconnected.", code="client_disconnected")  # nginx's code for it
     return ApiError(503, "The server is shutting down.", code="shutting_down", headers={"Retry-After": "1"})
 
 

@@ -80,9 +80,10 @@ class QueueFull(Exception):
 class Job:
     """One request in the engine. Its events (Text..., then one Done) arrive on `events`."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, scheduler: "Scheduler"):
+    def __init__(self, request: GenerationRequest, arrival: float, loop: asyncio.AbstractEventLoop,
+                 scheduler: "Scheduler"):
         self.request = request
-        self.arrival = time.perf_counter()
+        self.arrival = arrival  # time.perf_counter() when the request came in
         self.events: asyncio.Queue = asyncio.Queue()
         self._loop = loop
         self._scheduler = scheduler
@@ -97,7 +98,10 @@ class Job:
 
     def emit(self, event) -> None:
         """From the worker thread: deliver an event to the event loop."""
-        self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is gone, and nobody waits for this
+            pass
 
     def cancel(self, reason: str) -> None:
         """Stop this job: at once if it is queued, after the current decode step if it runs."""
@@ -131,12 +135,13 @@ class Scheduler:
         for job in pending:
             self._finish_unrun(job, "shutdown")
         if running is not None:
-            running._cancel.set()
+            self.cancel(running, "shutdown")
         self._thread.join()
 
-    def submit(self, request: GenerationRequest) -> Job:
-        """Queue a request (from the event loop); QueueFull when max_queue requests already wait."""
-        job = Job(request, asyncio.get_running_loop(), self)
+    def submit(self, request: GenerationRequest, arrival: float) -> Job:
+        """Queue a request (from the event loop) that came in at `arrival` (time.perf_counter());
+        QueueFull when max_queue requests already wait."""
+        job = Job(request, arrival, asyncio.get_running_loop(), self)
         with self._lock:
             if self._stopping or (len(self._pending) >= self.max_queue and self._running is not None):
                 raise QueueFull()
