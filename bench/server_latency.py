@@ -4,11 +4,12 @@
     python bench/server_latency.py --device cpu --prompt-tokens 64 --gen-tokens 16 --context-tokens 200
 
 1. Overhead. The same prompt ids run `repeats` times through the backend in this process
-   (generate.load_backend, its generate() timed as `generate` times it) and through the server
+   (loaded as `serve` loads it, run as its engine runs it: generate_paged with a page lease where
+   the backend has it, else generate, timed as `generate` times it) and through the server
    (a `serve` subprocess on a free port; streamed /v1/completions with the prompt as token ids,
-   timed at the client from sending the request to each event). TTFT and ITL are medians; the
-   overhead is server minus direct. Every repeat's prompt starts with a different token, so no
-   run reuses another's KV pages, and both paths prefill every token.
+   timed at the client from sending the request to each event), in turns. TTFT and ITL are
+   medians; the overhead is server minus direct. Every repeat's prompt starts with a different
+   token, so no run reuses another's KV pages, and both paths prefill every token.
 2. Prefix cache. An /infill with ~`context_tokens` of repository context, sent once, then again
    `repeats` times with only the current line (`prompt`, at the end) changed: TTFT of those, the
    prompt tokens the server actually computed (timings.prompt_n), and the same request with
@@ -35,9 +36,10 @@ from pathlib import Path
 import httpx
 
 from pynanoqwen.bench import git_commit
-from pynanoqwen.generate import load_backend, resolve_device, resolve_model
+from pynanoqwen.generate import resolve_device, resolve_model
+from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.sampling import SamplingParams
-from pynanoqwen.server.run import model_info
+from pynanoqwen.server.run import load_model
 
 GREEDY = SamplingParams()
 
@@ -49,18 +51,23 @@ def prompt_of(tokenizer, tokens: int, first: int) -> list[int]:
     return [first] + tokenizer.encode(source)[:tokens - 1]
 
 
-def direct_times(backend, tokenizer, prompts, gen_tokens) -> tuple[list[float], list[float]]:
-    """TTFT and every inter-token latency (seconds) of the backend's generate(), in this process."""
-    prepare = getattr(backend, "prepare", None)
-    ttfts, itls = [], []
-    for prompt in [prompts[0]] + prompts:  # the first run warms up and is not counted
-        if prepare is not None:
-            prepare(len(prompt), GREEDY)
+class Direct:
+    """The backend in this process, run as the server's engine runs it."""
+
+    def __init__(self, backend, tokenizer):
+        self.backend, self.stop_ids = backend, tokenizer.stop_ids
+        self.cache = PrefixCache(backend.num_pages, backend.page_size) if hasattr(backend, "generate_paged") else None
+
+    def stamps(self, prompt: list[int], gen_tokens: int) -> list[float]:
+        """Seconds from the call to each generated token."""
+        lease = self.cache.lease(prompt, len(prompt) + gen_tokens) if self.cache else None
         start = time.perf_counter()
-        stamps = [time.perf_counter() for _ in backend.generate(prompt, GREEDY, gen_tokens, tokenizer.stop_ids)]
-        ttfts.append(stamps[0] - start)
-        itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
-    return ttfts[1:], itls[len(itls) // (len(prompts) + 1):]
+        tokens = (self.backend.generate_paged(prompt, GREEDY, gen_tokens, self.stop_ids, lease) if lease
+                  else self.backend.generate(prompt, GREEDY, gen_tokens, self.stop_ids))
+        stamps = [time.perf_counter() - start for _ in tokens]
+        if lease:
+            self.cache.commit(lease, prompt)
+        return stamps
 
 
 def streamed(http: httpx.Client, path: str, body: dict) -> tuple[list[float], dict]:
@@ -76,15 +83,19 @@ def streamed(http: httpx.Client, path: str, body: dict) -> tuple[list[float], di
     return stamps, last
 
 
-def server_times(http, model_id, prompts, gen_tokens) -> tuple[list[float], list[float]]:
-    ttfts, itls = [], []
-    for prompt in [prompts[0]] + prompts:
+def overhead_times(direct: Direct, http, model_id, prompts, gen_tokens) -> dict[str, tuple[list, list]]:
+    """TTFTs and inter-token latencies of both paths, run in turns so that both see the same machine;
+    the first prompt warms both up and is not counted."""
+    times = {"direct": ([], []), "server": ([], [])}
+    for i, prompt in enumerate(prompts):
         body = {"model": model_id, "prompt": prompt, "max_tokens": gen_tokens, "temperature": 0}
-        stamps, _ = streamed(http, "/v1/completions", body)
-        stamps = stamps[:-1]  # the last event carries the finish_reason, no token
-        ttfts.append(stamps[0])
-        itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
-    return ttfts[1:], itls[len(itls) // (len(prompts) + 1):]
+        runs = {"direct": direct.stamps(prompt, gen_tokens),
+                "server": streamed(http, "/v1/completions", body)[0][:-1]}  # the last event: finish_reason
+        for side, stamps in runs.items():
+            if i:
+                times[side][0].append(stamps[0])
+                times[side][1].extend(b - a for a, b in zip(stamps, stamps[1:]))
+    return times
 
 
 def infill_times(http, tokenizer, context_tokens, repeats) -> dict:
@@ -162,16 +173,14 @@ def main(argv=None) -> dict:
     model_path = resolve_model(args.model)
     device = resolve_device(args.device, lambda line: print(line, file=sys.stderr))
     max_context = max(args.prompt_tokens + args.gen_tokens, args.context_tokens + 256)
-    info = model_info(model_path, max_context)
+    backend, info = load_model(model_path, device, max_context, self_check=False,
+                               on_status=lambda line: print(f"[direct] {line}", file=sys.stderr))
     tokenizer, max_context = info.tokenizer, info.max_context
-    prompts = [prompt_of(tokenizer, args.prompt_tokens, first) for first in range(10, 11 + args.repeats)]
-    backend = load_backend(model_path, device, max_context)
-    direct = direct_times(backend, tokenizer, prompts[1:], args.gen_tokens)
-    del backend
+    prompts = [prompt_of(tokenizer, args.prompt_tokens, first) for first in range(10, 12 + args.repeats)]
     server, url = start_server(model_path, device, max_context, args.skip_selfcheck)
     try:
         with httpx.Client(base_url=url, timeout=600) as http:
-            served = server_times(http, info.id, prompts[1:], args.gen_tokens)
+            times = overhead_times(Direct(backend, tokenizer), http, info.id, prompts[1:], args.gen_tokens)
             infill = infill_times(http, tokenizer, min(args.context_tokens, max_context - 64), args.repeats)
             cancel = cancel_times(http, url, info.id, prompts[0][:16], max_context, args.repeats)
     finally:
@@ -181,11 +190,10 @@ def main(argv=None) -> dict:
     result = {
         "model": str(model_path), "device": device, "git_commit": git_commit(), "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "repeats": args.repeats,
-        "direct": {"ttft_ms": ms(direct[0]), "itl_ms": ms(direct[1])},
-        "server": {"ttft_ms": ms(served[0]), "itl_ms": ms(served[1])},
-        "overhead": {"ttft_ms": ms(served[0]) - ms(direct[0]), "itl_ms": ms(served[1]) - ms(direct[1])},
+        **{side: {"ttft_ms": ms(ttfts), "itl_ms": ms(itls)} for side, (ttfts, itls) in times.items()},
         "infill_prefix_cache": infill, "cancellation": cancel,
     }
+    result["overhead"] = {key: result["server"][key] - result["direct"][key] for key in ("ttft_ms", "itl_ms")}
     rows = [("TTFT, direct / server / overhead (ms)", f"{result['direct']['ttft_ms']:.3f} / "
              f"{result['server']['ttft_ms']:.3f} / {result['overhead']['ttft_ms']:.3f}"),
             ("ITL, direct / server / overhead (ms)", f"{result['direct']['itl_ms']:.4f} / "
