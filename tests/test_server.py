@@ -229,6 +229,8 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
      "context_length_exceeded"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "repeat_penalty": 1.1}, 400, "repeat_penalty",
      "unknown_field"),
+    ("/infill", {"input_prefix": "x", "input_suffix": "", "input_extra": [{"text": "y = 1\n" * 4000}]}, 400,
+     "input_prefix", "context_length_exceeded"),  # a body parsed on a worker thread
 ])
 def test_bad_requests_get_openai_errors(server, http, path, body, status, param, code):
     _, model = server

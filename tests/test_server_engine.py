@@ -178,3 +178,27 @@ def test_with_no_queue_an_idle_server_still_serves():
     backend.script = ids(model, "ok")
     with serving(backend, model, max_queue=0) as url:
         assert complete(url, model).json()["choices"][0]["text"] == "ok"
+
+
+def test_the_gpu_engine_compiles_every_prefill_graph_before_serving(monkeypatch):
+    """load_model asks the engine (here a stand-in with its prefill_buckets and prepare) for every
+    prompt length whose chunks use a bucket: each bucket as the last chunk, the longest inside."""
+    from pathlib import Path
+
+    from pynanoqwen.data import EMBEDDED_MODEL
+    from pynanoqwen.server import run
+
+    class Engine:
+        prefill_buckets = (16, 32, 64)
+
+        def __init__(self, path, device, max_context):
+            self.prepared = []
+
+        def prepare(self, prompt_tokens, params):
+            self.prepared.append((prompt_tokens, params.greedy))
+
+    monkeypatch.setattr(run, "load_backend", Engine)
+    for max_context, lengths in ((256, [16, 32, 64, 65]), (48, [16, 32, 47])):
+        engine, _ = run.load_model(Path(EMBEDDED_MODEL), "cuda", max_context, self_check=False,
+                                   on_status=lambda line: None)
+        assert engine.prepared == [(n, greedy) for n in lengths for greedy in (True, False)]

@@ -95,12 +95,13 @@ def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
         from ..selfcheck import require_self_check
 
         on_status(require_self_check(backend, path))
-    prepare = getattr(backend, "prepare", None)  # the GPU engine compiles its prefill graphs before serving
-    if prepare is not None:
+    buckets = getattr(backend, "prefill_buckets", ())
+    if buckets:  # the GPU engine: compile every prefill graph a request may replay, before serving
         on_status("compiling the prefill graphs")
-        for rows in getattr(backend, "prefill_buckets", ()):
-            for params in (SamplingParams(), SamplingParams(temperature=1.0)):
-                prepare(rows, params)
+        # Each bucket as a last chunk, and (one past the longest) the longest as an inner chunk.
+        for length in sorted({min(rows, model.max_context - 1) for rows in buckets + (buckets[-1] + 1,)}):
+            for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # greedy and sampled
+                backend.prepare(length, params)
     if isinstance(backend, CpuBackend):  # the reference keeps its KV in pages for the prefix cache
         backend = PagedCpuBackend(backend.model)
     return backend, model
