@@ -140,9 +140,8 @@ def cancel_times(http, url, model_id, prompt, max_context, repeats) -> dict:
                 pass
         after.append(streamed(http, "/v1/completions", short)[0][0])
     now = http.get("/metrics").text
-    count = metric(now, "pynanoqwen_cancel_latency_seconds_count") - metric(before,
-                                                                           "pynanoqwen_cancel_latency_seconds_count")
-    total = metric(now, "pynanoqwen_cancel_latency_seconds_sum") - metric(before, "pynanoqwen_cancel_latency_seconds_sum")
+    count, total = (metric(now, f"pynanoqwen_cancel_latency_seconds_{part}")
+                    - metric(before, f"pynanoqwen_cancel_latency_seconds_{part}") for part in ("count", "sum"))
     return {"server_ms": 1000 * total / count if count else None, "cancelled": count,
             "client_visible_ms": 1000 * (statistics.median(after) - idle)}
 

@@ -96,7 +96,8 @@ def paged_backend(weights):
 def generate(backend, cache, prompt, params, max_new_tokens):
     lease = cache.lease(prompt, len(prompt) + max_new_tokens)
     tokens = list(backend.generate_paged(prompt, params, max_new_tokens, frozenset(), lease))
-    kv = backend.model.k_cache[:, :backend.model.position].copy(), backend.model.v_cache[:, :backend.model.position].copy()
+    model = backend.model
+    kv = model.k_cache[:, :model.position].copy(), model.v_cache[:, :model.position].copy()
     cache.commit(lease, prompt + tokens)
     return tokens, kv, lease.cached_tokens
 

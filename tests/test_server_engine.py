@@ -43,8 +43,8 @@ def test_a_stop_string_split_across_tokens_is_caught_and_not_sent():
     assert len(backend.script) == 4
     with serving(backend, model) as url:
         whole = complete(url, model, stop=["\n\n"]).json()
-        with httpx.Client(base_url=url) as http, http.stream(
-                "POST", "/v1/completions", json={"model": model.id, "prompt": "x", "stop": "\n\n", "stream": True}) as r:
+        body = {"model": model.id, "prompt": "x", "stop": "\n\n", "stream": True}
+        with httpx.Client(base_url=url) as http, http.stream("POST", "/v1/completions", json=body) as r:
             pieces = [json.loads(line[6:])["choices"] for line in r.iter_lines() if line.startswith("data: {")]
     assert whole["choices"][0] == {"index": 0, "text": "foo", "logprobs": None, "finish_reason": "stop"}
     sent = "".join(choice[0]["text"] for choice in pieces if choice)

@@ -27,6 +27,7 @@ SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(all
     | st.text(max_size=20)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                         max_size=4), max_leaves=12)
+NOT_OBJECTS = JSON.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode())
 sent = {"requests": 0}
 
 
@@ -107,7 +108,8 @@ def malformed(draw, schema: dict, model_id: str):
         name = draw(st.sampled_from(nested))
         item_schema = schema["properties"][name]["items"]
         item = draw(valid_object(item_schema))
-        field = draw(st.sampled_from([f for f in item_schema["properties"] if wrong(item_schema["properties"][f]) is not None]))
+        fields = item_schema["properties"]
+        field = draw(st.sampled_from([f for f in fields if wrong(fields[f]) is not None]))
         item[field] = draw(wrong(item_schema["properties"][field]))
         body[name] = [item]
     elif fault == "unknown field":
@@ -151,7 +153,7 @@ def test_bytes_and_json_that_are_not_a_request_object(server, path):
     http, _, _ = server
 
     @FUZZ
-    @given(st.binary(max_size=64) | JSON.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode()))
+    @given(st.binary(max_size=64) | NOT_OBJECTS)
     def fuzz(content):
         check_refused(http, path, content)
 
@@ -160,12 +162,11 @@ def test_bytes_and_json_that_are_not_a_request_object(server, path):
 
 def test_any_method_on_any_path_is_never_a_server_error(server):
     http, _, _ = server
+    known = st.sampled_from(list(ENDPOINTS) + ["/v1/models", "/health", "/metrics", "/v1/models/", "/openapi.json"])
 
     @FUZZ
     @given(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]),
-           st.sampled_from(["/v1/completions", "/v1/chat/completions", "/infill", "/v1/models", "/health", "/metrics",
-                            "/v1/models/"]) | st.text(string.ascii_letters + "/._-", max_size=20).map(lambda p: "/" + p),
-           st.binary(max_size=32))
+           known | st.text(string.ascii_letters + "/._-", max_size=20).map(lambda p: "/" + p), st.binary(max_size=32))
     def fuzz(method, path, content):
         answer = http.request(method, path, content=content)
         sent["requests"] += 1

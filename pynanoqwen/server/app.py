@@ -245,9 +245,9 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
                                        code="internal_error"))
 
     routes = [Route(path, generation, methods=["POST"]) for path in ENDPOINTS]
-    routes += [Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{name:path}", one_model, methods=["GET"]),
-               Route("/health", health, methods=["GET"]), Route("/metrics", prometheus, methods=["GET"]),
-               Route("/openapi.json", openapi, methods=["GET"])]
+    routes += [Route(path, endpoint, methods=["GET"]) for path, endpoint in (
+        ("/v1/models", models), ("/v1/models/{name:path}", one_model), ("/health", health), ("/metrics", prometheus),
+        ("/openapi.json", openapi))]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

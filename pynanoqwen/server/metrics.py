@@ -26,8 +26,8 @@ class _PrefixCacheCollector:
 
     def collect(self):
         stats = self.cache.stats
-        yield CounterMetricFamily("pynanoqwen_prefix_cache_lookup_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=stats.prompt_tokens)
+        yield CounterMetricFamily("pynanoqwen_prefix_cache_lookup_tokens",
+                                  "Prompt tokens looked up in the prefix cache", value=stats.prompt_tokens)
         yield CounterMetricFamily("pynanoqwen_prefix_cache_hit_tokens",
                                   "Prompt tokens whose KV came from cached pages", value=stats.hit_tokens)
         yield GaugeMetricFamily("pynanoqwen_prefix_cache_hit_rate", "hit_tokens / lookup_tokens since the start",
