@@ -40,8 +40,9 @@ import warnings
 import numpy as np
 
 from . import bench_report
-from .config import ModelConfig
+from .config import ModelConfig, preset
 from .errors import NanoQwenError
+from .fileformat import NanoQwenFile
 from .sampling import SamplingParams
 
 
@@ -73,6 +74,10 @@ class BenchSettings:
             raise NanoQwenError(f"--gemv must be prmt or dp4a, got {self.gemv!r}")
         if self.baseline not in (None, "torch"):
             raise NanoQwenError(f"--baseline must be torch, got {self.baseline!r}")
+        if self.synthetic is not None:
+            preset(self.synthetic)  # an unknown preset is refused before the GPU is looked for
+        else:
+            NanoQwenFile(self.model, verify_data=False).close()  # so is a missing or malformed file
         return self
 
     @property
@@ -135,16 +140,15 @@ def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs)
 
 def run_bench(settings: BenchSettings, progress=print) -> dict:
     """Every measurement of the docstring; returns a result dict (bench_report's schema)."""
-    settings.validate()
-    from numba.cuda.core.errors import NumbaPerformanceWarning
-
+    settings.validate()  # every setting first, the hardware after
     from .generate import cuda_gpu_available
-
-    # The benchmark launches small grids on purpose (one-block kernels, tiny GEMV shapes).
-    warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
 
     if not cuda_gpu_available():
         raise NanoQwenError("bench needs an NVIDIA GPU of compute capability 9.0 (H100/H200); none was found")
+    from numba.cuda.core.errors import NumbaPerformanceWarning
+
+    # The benchmark launches small grids on purpose (one-block kernels, tiny GEMV shapes).
+    warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
     from .engine import CudaBackend
     from .gpu_timing import copy_bandwidth
 

@@ -1,9 +1,11 @@
 """`python -m pynanoqwen ...`: the command line. Each command parses options and calls one function
-of the module that owns the work; user errors (NanoQwenError) become one line and exit code 1."""
+of the module that owns the work; user errors (NanoQwenError) become one line and exit code 1, and
+a bad option value or a missing argument one line and exit code 2."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -11,11 +13,16 @@ from .errors import NanoQwenError
 
 
 class _Group(click.Group):
-    """A click group that turns NanoQwenError into `error: ...` and exit code 1, never a traceback."""
+    """A click group that turns NanoQwenError into `error: ...` and exit code 1, never a traceback,
+    and click's usage errors (`--seed abc`, a missing PROMPT) into one such line too."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.UsageError as err:
+            where = f"; see '{err.ctx.command_path} --help'" if err.ctx is not None else ""
+            click.echo(f"error: {err.format_message().rstrip('.')}{where}", err=True)
+            sys.exit(err.exit_code)
         except NanoQwenError as err:
             click.echo(f"error: {err}", err=True)
             sys.exit(1)
@@ -35,11 +42,14 @@ def main():
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--lm-head", type=click.Choice(["int4", "fp16"]), default="int4", show_default=True,
               help="Store lm_head as INT4 (faster decode) or FP16 (exact logits).")
-def convert(hf_dir, out, lm_head):
-    """Convert a Hugging Face Qwen2 checkpoint directory HF_DIR into the .nanoqwen file OUT."""
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (never an input file of the conversion).")
+def convert(hf_dir, out, lm_head, force):
+    """Convert a Hugging Face Qwen2 checkpoint directory HF_DIR into the .nanoqwen file OUT.
+
+    The last line gives the time taken, the peak memory (RSS) and the size of OUT."""
     from .convert import convert_checkpoint
 
-    convert_checkpoint(hf_dir, out, lm_head_int4=(lm_head == "int4"))
+    convert_checkpoint(hf_dir, out, lm_head_int4=(lm_head == "int4"), overwrite=force)
 
 
 @main.command()
@@ -52,7 +62,9 @@ def info(file):
 
 
 @main.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", metavar="FILE", default=None,
+              help="Read the prompt from FILE (UTF-8, verbatim) instead of PROMPT; '-' reads standard input.")
 @click.option("--model", "model", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="The .nanoqwen model to run. [default: the embedded tiny-coder]")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
@@ -76,13 +88,15 @@ def info(file):
 @click.option("--eager", is_flag=True, help="Launch GPU kernels one by one instead of replaying a CUDA graph.")
 @click.option("--skip-selfcheck", is_flag=True,
               help="On the GPU, skip the check of one decode step against the numpy reference before generating.")
-def generate(prompt, model, device, max_new_tokens, temperature, top_k, top_p, seed, chat, system,
+def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, top_k, top_p, seed, chat, system,
              fim_suffix, max_context, gemv, eager, skip_selfcheck):
-    """Generate text after PROMPT, streaming it to stdout; a summary goes to stderr."""
+    """Generate text after PROMPT, streaming it to stdout; a summary goes to stderr. The prompt
+    itself is not printed again."""
     from .generate import GenerateOptions, run
     from .sampling import SamplingParams
 
-    options = GenerateOptions(prompt=prompt, model=model, device=device, max_new_tokens=max_new_tokens,
+    options = GenerateOptions(prompt=prompt, prompt_file=prompt_file, model=model, device=device,
+                              max_new_tokens=max_new_tokens,
                               sampling=SamplingParams(temperature, top_k, top_p, seed), chat=chat,
                               system=system, fim_suffix=fim_suffix, max_context=max_context, gemv=gemv,
                               eager=eager, self_check=not skip_selfcheck)
@@ -131,6 +145,8 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
                              kernels=not no_kernels, gemv_paths=not no_gemv_paths,
                              prefill_lengths=() if no_prefill_sweep else BenchSettings.prefill_lengths,
                              gemm_tiles=not no_gemm_tiles).validate()
+    if json_path and not Path(json_path).resolve().parent.is_dir():  # found out now, not after the run
+        raise NanoQwenError(f"--json {json_path}: its directory does not exist")
     result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
     click.echo(render_markdown(result))
     if json_path:

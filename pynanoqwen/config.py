@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, NanoQwenError
 
 GROUP_SIZE = 128  # input elements that share one FP16 scale in every INT4 linear layer
+MAX_INT32 = 2**31 - 1  # token ids, positions and the page table are int32 on the GPU (engine.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,7 @@ class ModelConfig:
                     "head_dim", "vocab_size", "max_position_embeddings")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads ({self.num_heads}) is not a multiple of "
@@ -71,12 +73,30 @@ class ModelConfig:
             if k % GROUP_SIZE:
                 raise ConfigError(f"{name} has {k} input features, not a multiple of the "
                                   f"INT4 group size {GROUP_SIZE}")
-        if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
-            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        for name in ("vocab_size", "max_position_embeddings"):
+            if getattr(self, name) > MAX_INT32:
+                raise ConfigError(f"{name} {getattr(self, name)} is beyond {MAX_INT32}: token ids and "
+                                  "positions are 32-bit signed integers on the GPU")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not _is_int(value) or not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name} {value!r} is not a token id of the {self.vocab_size}-token vocabulary")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name} must be positive and finite, got {value!r}")
+        for name in ("tie_word_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.qkv_bias:
+            raise ConfigError("qkv_bias=False is not supported: Qwen2's q, k and v projections have biases, "
+                              "and every file stores them")
         return self
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        """The config of a Hugging Face config.json; every number is checked, none is coerced
+        (256.7 or "256" is refused, not truncated or parsed)."""
         model_type = cfg.get("model_type")
         if model_type != "qwen2":
             raise ConfigError(f"model_type {model_type!r} is not supported (only 'qwen2')")
@@ -91,51 +111,41 @@ class ModelConfig:
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"rope_parameters rope_type {rope['rope_type']!r} is not implemented "
                               "(only the default RoPE)")
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if cfg.get("use_sliding_window"):
+        if _hf_flag(cfg, "use_sliding_window", False):
             raise ConfigError("use_sliding_window=true is not implemented")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id", 151645)
-            if isinstance(eos, list):
-                eos = eos[0]
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                vocab_size=int(cfg["vocab_size"]),
-                rope_theta=float(rope_theta),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=True,
-                bos_token_id=int(cfg.get("bos_token_id", 151643) or 0),
-                eos_token_id=int(eos),
-            ).validate()
-        except KeyError as missing:
-            raise ConfigError(f"config.json lacks {missing.args[0]!r}") from None
-        except (TypeError, ValueError) as bad:
-            raise ConfigError(f"config.json has a malformed value: {bad}") from None
+        heads = _hf_int(cfg, "num_attention_heads")
+        hidden = _hf_int(cfg, "hidden_size")
+        if cfg.get("head_dim") is None:  # transformers' Qwen2 then uses hidden_size // num_attention_heads
+            if hidden % heads:
+                raise ConfigError(f"config.json has no head_dim and hidden_size {hidden} is not a multiple "
+                                  f"of num_attention_heads {heads}")
+            head_dim = hidden // heads
+        else:
+            head_dim = _hf_int(cfg, "head_dim")
+        bos = cfg.get("bos_token_id", 151643)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_hf_int(cfg, "intermediate_size"),
+            num_layers=_hf_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_hf_int(cfg, "num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab_size=_hf_int(cfg, "vocab_size"),
+            rope_theta=_hf_number(cfg, "rope_theta", _hf_number(rope, "rope_theta", 10000.0)),
+            rms_norm_eps=_hf_number(cfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_hf_int(cfg, "max_position_embeddings", 32768),
+            tie_word_embeddings=_hf_flag(cfg, "tie_word_embeddings", False),
+            qkv_bias=True,
+            bos_token_id=0 if bos is None else _hf_token_id("bos_token_id", bos),
+            eos_token_id=hf_eos_token_ids(cfg.get("eos_token_id", 151645), "config.json")[0],
+        ).validate()
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "ModelConfig":
-        cfg_path = Path(path) / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{cfg_path} not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as bad:
-            raise ConfigError(f"{cfg_path} is not valid JSON: {bad}") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{cfg_path} is not a JSON object")
-        return cls.from_hf_dict(cfg)
+        return cls.from_hf_dict(read_json_object(Path(path) / "config.json", ConfigError))
 
     def to_hf_dict(self) -> dict:
         """The config.json that transformers' Qwen2ForCausalLM reads for this model."""
@@ -165,6 +175,79 @@ class ModelConfig:
             "torch_dtype": "bfloat16",
             "use_cache": True,
         }
+
+
+def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
+    """The JSON object in `path`; anything else (absent, unreadable, not UTF-8 JSON, not an
+    object) raises `error` naming the file."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path} not found") from None
+    except IsADirectoryError:
+        raise error(f"{path} is a directory, not a JSON file") from None
+    except OSError as err:
+        raise error(f"cannot read {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+        raise error(f"{path} is not valid JSON: {bad}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} is not a JSON object")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not the number 1
+
+
+_REQUIRED = object()
+
+
+def _hf_value(cfg: dict, key: str, default):
+    """cfg[key], where null counts as absent (save_pretrained writes null for unset options)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks {key!r}")
+        return default
+    return value
+
+
+def _hf_int(cfg: dict, key: str, default=_REQUIRED) -> int:
+    """A positive integer of config.json; its absence is an error unless a default is given."""
+    value = _hf_value(cfg, key, default)
+    if not _is_int(value) or value <= 0:
+        raise ConfigError(f"config.json has a malformed {key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _hf_number(cfg: dict, key: str, default: float) -> float:
+    value = _hf_value(cfg, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"config.json has a malformed {key}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _hf_flag(cfg: dict, key: str, default: bool) -> bool:
+    value = _hf_value(cfg, key, default)
+    if not isinstance(value, bool):  # bool("false") is True: a string must not pass as a flag
+        raise ConfigError(f"config.json has a malformed {key}: expected true or false, got {value!r}")
+    return value
+
+
+def _hf_token_id(key: str, value) -> int:
+    if not _is_int(value) or value < 0:
+        raise ConfigError(f"config.json has a malformed {key}: expected a token id (an integer >= 0), "
+                          f"got {value!r}")
+    return value
+
+
+def hf_eos_token_ids(value, source: str) -> list[int]:
+    """The ids of an `eos_token_id` entry of config.json or generation_config.json: an id or a
+    non-empty list of ids."""
+    ids = value if isinstance(value, list) else [value]
+    if not ids:
+        raise ConfigError(f"{source} has an empty eos_token_id list")
+    return [_hf_token_id(f"eos_token_id in {source}", i) for i in ids]
 
 
 # The real Qwen2.5-Coder shapes (from their config.json files) and a tiny one for tests.

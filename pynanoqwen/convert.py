@@ -5,11 +5,15 @@ embeddings, norms and biases become FP16. The tokenizer.json bytes and the chat 
 tokenizer_config.json (or chat_template.jinja) are embedded as they are.
 
 Everything that can be checked without reading weights is checked before the output file is
-started: config.json, the tokenizer, the index, every safetensors header, and the tensor set
-against tensors.hf_tensors (no tensor missing, none extra, every shape right). Values are checked
-while streaming: a NaN or Inf, or a value beyond FP16's range, stops the conversion naming the
-tensor. fileformat.NanoQwenWriter writes a temp file and renames it only on success, so a failed
-or interrupted (Ctrl-C) conversion leaves no output and an existing OUT untouched.
+started: OUT itself (never one of the input files or inside HF_DIR; an existing OUT is replaced
+only with overwrite=True, which the command passes for --force), config.json, the tokenizer and its chat template (which
+must compile), generation_config.json's end-of-generation ids, the index, every safetensors
+header, and the tensor set against tensors.hf_tensors (no tensor missing, none extra, every shape
+right). Values are checked while streaming: a NaN or Inf, or a value beyond FP16's range, stops
+the conversion naming the tensor. fileformat.NanoQwenWriter writes a temp file and renames it only
+on success, so a failed or interrupted (Ctrl-C, SIGTERM, SIGHUP) conversion leaves no output and
+an existing OUT untouched. Temp files of earlier conversions that were killed outright (SIGKILL,
+a crash of the machine) are named at the start, never removed: they are not this run's.
 
 Reading safetensors: we parse the header ourselves (8-byte little-endian length, JSON with each
 tensor's dtype, shape and byte range) and read each tensor's bytes with plain file reads, in
@@ -35,23 +39,28 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from .checkpoint import bf16_bits_to_float32
-from .config import GROUP_SIZE, ModelConfig
-from .errors import CheckpointError
-from .fileformat import NanoQwenWriter
+from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_json_object
+from .errors import CheckpointError, ConfigError, FormatError
+from .fileformat import MAX_EXTRA_EOS, NanoQwenWriter, leftover_temp_files
 from .quant import quantize_int4
 from .tensors import QWEIGHT, SCALES, hf_tensors, is_quantized, stored_tensors
+from .tokenizer import compile_chat_template
 
 SAFETENSORS_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}  # bf16 is read as its bit patterns
 BLOCK_ELEMENTS = 1 << 22  # source values read, checked and converted per step
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 FP16_MAX = float(np.finfo(np.float16).max)
+# Signals that end a conversion the way Ctrl-C does (the temp file is removed), exit code 128 + signal.
+CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,7 @@ class ConvertReport:
     largest_output_tensor_bytes: int
 
     def summary(self) -> str:
+        """One line of the figures a user plans by: time, peak memory and the file's size."""
         return (f"converted {self.tensors} tensors: read {_size(self.input_bytes)}, wrote "
                 f"{_size(self.output_bytes)} in {self.seconds:.1f} s; peak RSS {_size(self.peak_rss_bytes)} "
                 f"(+{_size(self.rss_growth_bytes)} during conversion; largest output tensor "
@@ -86,16 +96,29 @@ class SourceTensor:
 
 
 def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, *, lm_head_int4: bool = True,
-                       progress: bool = True) -> ConvertReport:
-    """Convert the checkpoint in hf_dir to the .nanoqwen file out_path; prints a summary to stderr."""
+                       progress: bool = True, overwrite: bool = True) -> ConvertReport:
+    """Convert the checkpoint in hf_dir to the .nanoqwen file out_path; prints a summary to stderr.
+
+    overwrite=False refuses an existing out_path (the command's default; --force passes True).
+    An existing file is only ever replaced by a complete new one, atomically."""
+    with _signals_unwind(CLEANUP_SIGNALS):
+        return _convert(Path(hf_dir), Path(out_path), lm_head_int4, progress, overwrite)
+
+
+def _convert(hf_dir: Path, out_path: Path, lm_head_int4: bool, progress: bool, overwrite: bool) -> ConvertReport:
     start_time = time.perf_counter()
     start_rss = _current_rss_bytes()
-    hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
-    cfg = ModelConfig.from_hf_dir(hf_dir)
+    check_output_path(hf_dir, out_path, overwrite)
+    note_leftover_temp_files(out_path)
+    hf_config = read_json_object(hf_dir / "config.json", ConfigError)
+    cfg = ModelConfig.from_hf_dict(hf_config)
     tokenizer_json, chat_template = read_tokenizer(hf_dir, cfg)
+    extra_eos_ids = read_extra_eos_ids(hf_dir, hf_config, cfg)
     sources = index_checkpoint(hf_dir)
+    check_not_an_input(out_path, {src.file for src in sources.values()} | set(hf_dir.glob("*.json"))
+                       | set(hf_dir.glob("*.jinja")))
     check_tensor_set(cfg, sources)
 
     # HF name -> the source tensor it is made from; a tied model's INT4 lm_head is the embedding.
@@ -115,7 +138,8 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, *, lm_head_int4
                                        desc="convert", file=sys.stderr, disable=not progress,
                                        dynamic_ncols=True))
         writer = stack.enter_context(NanoQwenWriter(out_path, cfg, lm_head_int4=lm_head_int4,
-                                                    tokenizer_json=tokenizer_json, chat_template=chat_template))
+                                                    tokenizer_json=tokenizer_json, chat_template=chat_template,
+                                                    extra_eos_ids=extra_eos_ids))
         for done, (hf_name, src) in enumerate(plan.items()):
             bar.set_postfix_str(f"tensor {done + 1}/{len(plan)}", refresh=False)
             blocks = read_blocks(src, files[src.file], bar)
@@ -144,6 +168,8 @@ def read_tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[bytes, str | None]:
         tokenizer_json = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found: the tokenizer is embedded in the .nanoqwen file") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     from tokenizers import Tokenizer
 
     try:
@@ -158,22 +184,95 @@ def read_tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[bytes, str | None]:
 
 
 def read_chat_template(hf_dir: Path) -> str | None:
-    """The template from tokenizer_config.json, else chat_template.jinja (newer transformers), else None."""
+    """The template from tokenizer_config.json, else chat_template.jinja (newer transformers), else
+    None; a template that does not compile is refused here, not at the first `generate --chat`."""
     config_path = hf_dir / "tokenizer_config.json"
+    template = None
     if config_path.exists():
-        try:
-            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as bad:
-            raise CheckpointError(f"{config_path} is not a valid JSON object: {bad}") from None
+        template = read_json_object(config_path, CheckpointError).get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             template = next((t.get("template") for t in template
                              if isinstance(t, dict) and t.get("name") == "default"), None)
         if template is not None and not isinstance(template, str):
             raise CheckpointError(f"{config_path}: chat_template is a {type(template).__name__}, not a string")
-        if template is not None:
-            return template
+    source = config_path
     jinja_path = hf_dir / "chat_template.jinja"
-    return jinja_path.read_text(encoding="utf-8") if jinja_path.exists() else None
+    if template is None and jinja_path.exists():
+        source = jinja_path
+        try:
+            template = jinja_path.read_bytes().decode("utf-8")
+        except OSError as err:
+            raise CheckpointError(f"cannot read {jinja_path}: {err.strerror or err}") from None
+        except UnicodeDecodeError as bad:
+            raise CheckpointError(f"{jinja_path} is not UTF-8 text ({bad.reason} at byte {bad.start})") from None
+    if template is not None:
+        try:
+            compile_chat_template(template)
+        except FormatError as bad:
+            raise CheckpointError(f"{source}: {bad}") from None
+    return template
+
+
+def read_extra_eos_ids(hf_dir: Path, hf_config: dict, cfg: ModelConfig) -> tuple[int, ...]:
+    """The end-of-generation ids besides cfg.eos_token_id: the rest of config.json's eos_token_id
+    when it is a list, then generation_config.json's eos_token_id (an id or a list), each once."""
+    ids = hf_eos_token_ids(hf_config["eos_token_id"], "config.json") if "eos_token_id" in hf_config else []
+    path = hf_dir / "generation_config.json"
+    if path.exists():
+        generation = read_json_object(path, CheckpointError)
+        if generation.get("eos_token_id") is not None:
+            try:
+                ids += hf_eos_token_ids(generation["eos_token_id"], path.name)
+            except ConfigError as bad:
+                raise CheckpointError(str(bad)) from None
+    extra = tuple(dict.fromkeys(i for i in ids if i != cfg.eos_token_id))
+    for token in extra:
+        if token >= cfg.vocab_size:
+            raise CheckpointError(f"end-of-generation id {token} (config.json or {path.name}) is not a token id "
+                                  f"of the {cfg.vocab_size}-token vocabulary")
+    if len(extra) > MAX_EXTRA_EOS:
+        raise CheckpointError(f"config.json and {path.name} name {len(extra)} end-of-generation ids besides "
+                              f"eos_token_id; a .nanoqwen file holds at most {MAX_EXTRA_EOS}")
+    return extra
+
+
+def check_output_path(hf_dir: Path, out_path: Path, overwrite: bool) -> None:
+    """Refuse an OUT inside the checkpoint, an OUT that is a directory or whose directory is
+    missing, and an existing OUT unless `overwrite`."""
+    where = out_path.resolve()
+    if where.is_relative_to(hf_dir.resolve()):
+        raise CheckpointError(f"{out_path} is inside the checkpoint directory {hf_dir}; write the "
+                              ".nanoqwen file somewhere else")
+    if out_path.is_dir():
+        raise CheckpointError(f"{out_path} is a directory; give the path of the .nanoqwen file to write")
+    if not where.parent.is_dir():
+        raise CheckpointError(f"cannot write {out_path}: the directory {out_path.parent} does not exist")
+    if os.path.lexists(out_path) and not overwrite:
+        raise CheckpointError(f"{out_path} exists; pass --force to replace it")
+
+
+def check_not_an_input(out_path: Path, inputs: set[Path]) -> None:
+    """Even with --force, never replace a file the conversion reads (a shard may be a symlink into
+    the Hugging Face cache, so the same file can have a name outside HF_DIR)."""
+    if not out_path.exists():
+        return
+    for path in inputs:
+        if path.exists() and os.path.samefile(out_path, path):
+            raise CheckpointError(f"{out_path} is {path}, an input of this conversion; write the "
+                                  ".nanoqwen file somewhere else")
+
+
+def note_leftover_temp_files(out_path: Path) -> None:
+    for path, pid in leftover_temp_files(out_path):
+        try:
+            os.kill(pid, 0)
+            state = "which is still running: another convert may be writing it"
+        except ProcessLookupError:
+            state = "which is no longer running"
+        except OSError:  # PermissionError: the process exists but is someone else's
+            state = "which is still running"
+        print(f"note: {path} ({_size(path.stat().st_size)}) was left by an earlier convert (process {pid}, "
+              f"{state}); it is not this run's and stays where it is", file=sys.stderr)
 
 
 def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:
@@ -185,17 +284,14 @@ def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:
             raise CheckpointError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
         return read_safetensors_header(single)
 
-    try:
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as bad:
-        raise CheckpointError(f"{index_path} is not a valid index (a JSON object with a weight_map): "
-                              f"{bad}") from None
-    sources: dict[str, SourceTensor] = {}
-    for shard in sorted(set(weight_map.values())):
+    weight_map = read_json_object(index_path, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path} is not a valid index (a JSON object with a weight_map object)")
+    for shard in weight_map.values():
         if not isinstance(shard, str) or Path(shard).name != shard:
             raise CheckpointError(f"{index_path} names shard {shard!r}, not a file name in {hf_dir}")
+    sources: dict[str, SourceTensor] = {}
+    for shard in sorted(set(weight_map.values())):
         shard_path = hf_dir / shard
         if not shard_path.exists():
             raise CheckpointError(f"{shard_path} is listed in {index_path.name} but does not exist")
@@ -253,6 +349,10 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
 
 def check_tensor_set(cfg: ModelConfig, sources: dict[str, SourceTensor]) -> None:
     """Exactly the tensors of hf_tensors(cfg), with its shapes; raises CheckpointError naming the first culprit."""
+    # Every layer has tensors of its own: bound the layer count before listing ~12 names per layer.
+    if cfg.num_layers > len(sources):
+        raise CheckpointError(f"config.json says num_hidden_layers={cfg.num_layers}, but the checkpoint holds "
+                              f"only {len(sources)} tensors")
     expected = hf_tensors(cfg)
     missing = [name for name in expected if name not in sources]
     if missing:
@@ -316,6 +416,27 @@ def quantize_blocks(name: str, shape: tuple[int, ...], blocks) -> tuple[np.ndarr
         qweight[first:first + len(block)] = q
         scales[first:first + len(block)] = s
     return qweight, scales
+
+
+@contextlib.contextmanager
+def _signals_unwind(signals):
+    """While the block runs, each of `signals` raises SystemExit(128 + signal) in the main thread,
+    so every `with` unwinds as for Ctrl-C (the writer removes its temp file) and the process exits
+    with the code a shell expects of a killed one. Outside the main thread, signals are left alone
+    (only the main thread may set handlers, and only it receives them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, unwind) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _current_rss_bytes() -> int:

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import mmap
 import os
+import re
 import secrets
 import stat
 import struct
@@ -47,11 +48,16 @@ HEADER_FIELDS = (
     ("tie_word_embeddings", "B"), ("qkv_bias", "B"), ("lm_head_int4", "B"), ("quant_scheme", "B"),
     ("group_size", "I"), ("alignment", "I"), ("table_entry_size", "I"),
     ("table_offset", "Q"), ("table_count", "Q"), ("tokenizer_offset", "Q"), ("tokenizer_length", "Q"),
-    ("tokenizer_crc32", "I"), ("reserved", "120s"), ("header_crc32", "I"),
+    ("tokenizer_crc32", "I"), ("reserved", "84s"), ("extra_eos_count", "I"), ("extra_eos_ids", "32s"),
+    ("header_crc32", "I"),
 )
 HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 Header = namedtuple("Header", [name for name, _ in HEADER_FIELDS])
 HEADER_CRC_OFFSET = HEADER_SIZE - 4  # the checksum is the header's last field
+# End-of-generation ids besides eos_token_id (bytes 216..251, reserved before they were added): a
+# count and 8 uint32 slots, unused slots zero. A file without any is what earlier writers wrote.
+MAX_EXTRA_EOS = 8
+EXTRA_EOS_IDS = struct.Struct(f"<{MAX_EXTRA_EOS}I")
 
 ENTRY_FIELDS = (
     ("offset", "Q"), ("nbytes", "Q"), ("crc32", "I"), ("dtype", "B"), ("ndim", "B"),
@@ -72,6 +78,7 @@ CONFIG_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
 CONFIG_FLAG_FIELDS = ("tie_word_embeddings", "qkv_bias")
 
 assert HEADER.size == HEADER_SIZE and ENTRY.size == ENTRY_SIZE and TOKENIZER_PRELUDE.size == 24
+assert EXTRA_EOS_IDS.size == 32
 
 
 def align_up(n: int) -> int:
@@ -87,6 +94,23 @@ def pack_header(header: Header, table: bytes) -> bytes:
     """The 256 header bytes for `header`, with header_crc32 computed over them and `table`."""
     unsigned = HEADER.pack(*header._replace(header_crc32=0))
     return HEADER.pack(*header._replace(header_crc32=header_crc32(unsigned, table)))
+
+
+def temp_path(path: Path) -> Path:
+    """Where NanoQwenWriter writes `path` until it is complete: a sibling no other writer uses."""
+    return path.with_name(f"{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+
+
+def leftover_temp_files(path) -> list[tuple[Path, int]]:
+    """(temp file, pid of its writer) of each file next to `path` named as temp_path names them:
+    writers that were killed outright (SIGKILL, a crash), or that are still writing."""
+    path = Path(path)
+    pattern = re.compile(re.escape(path.name) + r"\.tmp\.(\d+)\.[0-9a-f]{8}")
+    try:
+        siblings = sorted(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:  # an unreadable directory: the writer reports it when it tries to write there
+        return []
+    return [(p, int(m[1])) for p in siblings if (m := pattern.fullmatch(p.name))]
 
 
 def pack_tokenizer_blob(tokenizer_json: bytes, chat_template: str | None) -> bytes:
@@ -105,15 +129,16 @@ class NanoQwenWriter:
     """
 
     def __init__(self, path, config: ModelConfig, *, lm_head_int4: bool, tokenizer_json: bytes,
-                 chat_template: str | None):
+                 chat_template: str | None, extra_eos_ids: tuple[int, ...] = ()):
         self.path = Path(path)
-        self._tmp = self.path.with_name(f"{self.path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+        self._tmp = temp_path(self.path)
         self._file = None
+        header = _header_from_config(config, bool(lm_head_int4), tuple(extra_eos_ids))
         self._expected = stored_tensors(config.validate(), bool(lm_head_int4))
         self._entries: dict[str, bytes] = {}  # name -> packed table entry, in the order added
         blob = pack_tokenizer_blob(_checked_utf8(self.path, tokenizer_json, chat_template), chat_template)
         table_bytes = len(self._expected) * ENTRY_SIZE
-        self._header = _header_from_config(config, bool(lm_head_int4))._replace(
+        self._header = header._replace(
             table_offset=HEADER_SIZE, table_count=len(self._expected),
             tokenizer_offset=HEADER_SIZE + table_bytes, tokenizer_length=len(blob),
             tokenizer_crc32=zlib.crc32(blob))
@@ -221,7 +246,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _header_from_config(config: ModelConfig, lm_head_int4: bool) -> Header:
+def _header_from_config(config: ModelConfig, lm_head_int4: bool, extra_eos_ids: tuple[int, ...]) -> Header:
     """The header fields a config fills in; layout fields (offsets, sizes, checksums) are zero."""
     for name in CONFIG_INT_FIELDS:
         value = getattr(config, name)
@@ -230,12 +255,21 @@ def _header_from_config(config: ModelConfig, lm_head_int4: bool) -> Header:
     for name in CONFIG_FLOAT_FIELDS:
         if not math.isfinite(getattr(config, name)):
             raise FormatError(f"config {name}={getattr(config, name)!r} is not a finite number")
+    if len(extra_eos_ids) > MAX_EXTRA_EOS:
+        raise FormatError(f"{len(extra_eos_ids)} end-of-generation ids besides eos_token_id; the header "
+                          f"holds at most {MAX_EXTRA_EOS}")
+    for index, token in enumerate(extra_eos_ids):
+        if not (isinstance(token, int) and 0 <= token < config.vocab_size) or token == config.eos_token_id \
+                or token in extra_eos_ids[:index]:
+            raise FormatError(f"extra end-of-generation id {token!r} must be a token id below vocab_size "
+                              f"{config.vocab_size}, other than eos_token_id and given once")
     fields = dict.fromkeys(Header._fields, 0)
     fields.update({name: getattr(config, name) for name in CONFIG_INT_FIELDS + CONFIG_FLOAT_FIELDS})
     fields.update({name: int(bool(getattr(config, name))) for name in CONFIG_FLAG_FIELDS})
     fields.update(magic=MAGIC, version=VERSION, header_size=HEADER_SIZE, lm_head_int4=int(lm_head_int4),
                   quant_scheme=QUANT_INT4_VALUESHUFFLE, group_size=GROUP_SIZE, alignment=ALIGNMENT,
-                  table_entry_size=ENTRY_SIZE, reserved=bytes(120))
+                  table_entry_size=ENTRY_SIZE, reserved=bytes(84), extra_eos_count=len(extra_eos_ids),
+                  extra_eos_ids=EXTRA_EOS_IDS.pack(*extra_eos_ids, *[0] * (MAX_EXTRA_EOS - len(extra_eos_ids))))
     return Header(**fields)
 
 
@@ -257,7 +291,8 @@ class NanoQwenFile:
     (zlib.crc32 runs at a few GB/s; the disk is usually the limit).
 
     Attributes: path, header (the raw Header fields), version, config (ModelConfig), lm_head_int4,
-    tokenizer_json (bytes), chat_template (str or None), names (tensor names in table order).
+    extra_eos_ids (end-of-generation ids besides config.eos_token_id), tokenizer_json (bytes),
+    chat_template (str or None), names (tensor names in table order).
     """
 
     def __init__(self, path, *, verify_data: bool = True):
@@ -342,6 +377,7 @@ class NanoQwenFile:
         self.header = h
         self.version = h.version
         self.config, self.lm_head_int4 = self._config_from_header(h)
+        self.extra_eos_ids = self._extra_eos_ids(h)
         expected = stored_tensors(self.config, self.lm_head_int4)
         if h.table_count != len(expected):
             raise self._fail("header", f"tensor table has {h.table_count} entries but this config "
@@ -367,7 +403,7 @@ class NanoQwenFile:
 
     def _config_from_header(self, h: Header) -> tuple[ModelConfig, bool]:
         if h.reserved != bytes(len(h.reserved)):
-            raise self._fail("header", "reserved bytes 132..251 are not zero")
+            raise self._fail("header", "reserved bytes 132..215 are not zero")
         for name in CONFIG_FLAG_FIELDS + ("lm_head_int4",):
             if getattr(h, name) not in (0, 1):
                 raise self._fail("header", f"{name} is {getattr(h, name)}, expected 0 or 1")
@@ -393,6 +429,18 @@ class NanoQwenFile:
         except ConfigError as bad:
             raise self._fail("header", f"invalid model config: {bad}") from None
         return config, bool(h.lm_head_int4)
+
+    def _extra_eos_ids(self, h: Header) -> tuple[int, ...]:
+        slots = EXTRA_EOS_IDS.unpack(h.extra_eos_ids)
+        if h.extra_eos_count > MAX_EXTRA_EOS or any(slots[h.extra_eos_count:]):
+            raise self._fail("header", f"extra_eos_count is {h.extra_eos_count} (at most {MAX_EXTRA_EOS}, "
+                                       "unused extra_eos_ids slots zero)")
+        ids = slots[:h.extra_eos_count]
+        for token in ids:
+            if token >= self.config.vocab_size:
+                raise self._fail("header", f"extra end-of-generation id {token} is not a token id of the "
+                                           f"{self.config.vocab_size}-token vocabulary")
+        return ids
 
     def _read_entry(self, index: int, at: int, expected: dict, size: int) -> tuple[str, _Tensor]:
         e = Entry._make(ENTRY.unpack_from(self._mmap, at))
@@ -502,6 +550,8 @@ def describe(path) -> str:
             f"quantization      INT4 symmetric (scheme {h.quant_scheme}), one FP16 scale per "
             f"{h.group_size} inputs, ValueShuffle nibble order; lm_head "
             + ("INT4" if f.lm_head_int4 else "FP16"),
+            f"end of generation eos_token_id {f.config.eos_token_id}; extra ids "
+            + (", ".join(map(str, f.extra_eos_ids)) or "none"),
             "config",
         ]
         lines += [f"  {field.name:<25} {getattr(f.config, field.name)}" for field in dataclasses.fields(f.config)]

@@ -10,6 +10,7 @@ fill-in-the-middle), refusing what cannot run, streaming the text, and the timin
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -116,7 +117,8 @@ def load_backend(model_path, device: str, max_context: int, gemv: str = "prmt",
 class GenerateOptions:
     """Everything `python -m pynanoqwen generate` takes, as typed by the user."""
 
-    prompt: str
+    prompt: str | None = None  # exactly one of prompt and prompt_file
+    prompt_file: str | None = None  # a path, or "-" for standard input
     model: str | None = None
     device: str | None = None  # None: cuda if a GPU is present, else cpu
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -141,9 +143,35 @@ class GenerateOptions:
             raise NanoQwenError("--system needs --chat")
         if self.fim_suffix is not None and self.chat:
             raise NanoQwenError("--fim-suffix builds a fill-in-the-middle prompt; it cannot be used with --chat")
-        if not self.prompt.strip() and not (self.fim_suffix or "").strip():
-            raise NanoQwenError("the prompt is empty")
+        if self.prompt is not None and self.prompt_file is not None:
+            raise NanoQwenError("give the prompt as PROMPT or with --prompt-file, not both")
+        if self.prompt is None and self.prompt_file is None:
+            raise NanoQwenError("no prompt: give PROMPT, or --prompt-file FILE ('-' reads standard input)")
+        check_utf8("--system", self.system)
+        check_utf8("--fim-suffix", self.fim_suffix)
+        if self.prompt is not None:
+            check_prompt(self.prompt, self.fim_suffix)
         return self
+
+
+def check_utf8(what: str, text: str | None) -> None:
+    """Refuse text that cannot be encoded as UTF-8. Python decodes a command-line byte that is not
+    UTF-8 into a lone surrogate (U+DC80..U+DCFF, "surrogateescape"), which the tokenizer rejects."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        code = ord(text[bad.start])
+        culprit = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise NanoQwenError(f"{what} is not valid UTF-8 text ({culprit} at character {bad.start})") from None
+
+
+def check_prompt(prompt: str, fim_suffix: str | None, what: str = "the prompt") -> None:
+    """A prompt is UTF-8 text with something besides white space in it or in the FIM suffix."""
+    check_utf8(what, prompt)
+    if not prompt.strip() and not (fim_suffix or "").strip():
+        raise NanoQwenError(f"{what} is empty" + (" (only white space)" if prompt else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +248,29 @@ def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], para
                             (first if first is not None else end) - start, end - start)
 
 
+def resolve_prompt(options: GenerateOptions) -> str:
+    """The prompt text: PROMPT as given, or the whole of --prompt-file (`-`: standard input) as
+    UTF-8, verbatim (its final newline included; only a leading byte-order mark is dropped)."""
+    if options.prompt_file is None:
+        return options.prompt
+    name = options.prompt_file
+    label = "--prompt-file - (standard input)" if name == "-" else f"--prompt-file {name}"
+    try:
+        data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
+    except FileNotFoundError:
+        raise NanoQwenError(f"{label}: no such file") from None
+    except IsADirectoryError:
+        raise NanoQwenError(f"{label}: is a directory") from None
+    except OSError as err:
+        raise NanoQwenError(f"{label}: cannot read: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as bad:
+        raise NanoQwenError(f"{label} is not UTF-8 text ({bad.reason} at byte {bad.start})") from None
+    check_prompt(text, options.fim_suffix, label)
+    return text
+
+
 def resolve_model(model: str | None) -> Path:
     """The model file to run: --model, or the embedded tiny-coder (pynanoqwen/data) without one."""
     if model is not None:
@@ -245,23 +296,28 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
         on_status: Callable[[str], None]) -> GenerationResult:
     """The `generate` command: check everything cheap first, then load the model and stream."""
     options.validate()
+    prompt = resolve_prompt(options)
     model_path = resolve_model(options.model)
     with NanoQwenFile(model_path, verify_data=False) as f:
         config = f.config
-        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template,
+        # The template is compiled only for --chat: a file whose template is broken still
+        # completes raw and fill-in-the-middle prompts.
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template if options.chat else None,
                                               bos_token_id=config.bos_token_id,
-                                              eos_token_id=config.eos_token_id)
+                                              eos_token_id=config.eos_token_id, extra_eos_ids=f.extra_eos_ids)
     max_context = min(options.max_context, config.max_position_embeddings)
-    prompt_ids = tokenizer.encode(build_prompt(tokenizer, options.prompt, chat=options.chat,
+    prompt_ids = tokenizer.encode(build_prompt(tokenizer, prompt, chat=options.chat,
                                                system=options.system, fim_suffix=options.fim_suffix))
     check_fits(len(prompt_ids), max_context)
     device = resolve_device(options.device, on_status)
+    # Loaded before the embedded model is described, so that --device cuda without a GPU fails
+    # before a line that names "the GPU engine".
+    backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
     if options.model is None:
         on_status(f"model: the embedded tiny-coder ({model_path.stat().st_size / 1e6:.1f} MB, a "
                   f"{config.num_layers}-layer model trained on Python's standard library) on "
                   f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}; pass --model FILE "
                   "for another")
-    backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
     if device == "cuda" and options.self_check:
         from .selfcheck import require_self_check
 

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from .config import MAX_INT32
 from .errors import NanoQwenError
 
 
@@ -29,6 +30,8 @@ class SamplingParams:
             raise NanoQwenError(f"--temperature must be between 0 and 100, got {self.temperature}")
         if self.top_k < 0:
             raise NanoQwenError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.top_k > MAX_INT32:  # the GPU sampler holds it in an int32
+            raise NanoQwenError(f"--top-k must be at most {MAX_INT32}, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise NanoQwenError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**63):

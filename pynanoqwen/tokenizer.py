@@ -25,9 +25,13 @@ import tokenizers
 from .errors import FormatError, NanoQwenError
 
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
-# Tokens after which a Qwen2.5 model has finished: the end of a document (base models) and the
-# end of an assistant turn (Instruct models). The config's eos_token_id is added to them.
-STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")
+# Tokens after which a Qwen2.5(-Coder) model has finished: the end of a document (base models), the
+# end of an assistant turn (Instruct models), and the FIM and repository markers a fill-in-the-middle
+# completion may emit once the hole is filled. That is the eos_token_id list of Qwen's own FIM
+# example (QwenLM/Qwen2.5-Coder, examples/Qwen2.5-Coder-fim.py): every special token but <|im_start|>.
+# The file's eos_token_id and extra end-of-generation ids (generation_config.json) are added to them.
+STOP_TOKENS = ("<|endoftext|>", "<|im_end|>", FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>")
 
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
@@ -58,8 +62,9 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers' apply_chat_template uses.
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers' apply_chat_template uses; a
+    template that does not compile raises FormatError with Jinja's message and line.
 
     Templates come from downloaded checkpoints, so they run sandboxed (no attribute access to
     Python internals, no mutation of the data they are given)."""
@@ -69,6 +74,8 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     try:
         return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise FormatError(f"the chat template does not compile: {err.message} (line {err.lineno})") from None
     except jinja2.exceptions.TemplateError as err:
         raise FormatError(f"the chat template does not compile: {err}") from None
 
@@ -77,25 +84,27 @@ class Tokenizer:
     """A Qwen2.5 tokenizer: the embedded tokenizer.json plus its chat template and stop tokens."""
 
     def __init__(self, hf_tokenizer: tokenizers.Tokenizer, chat_template: str | None,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None):
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 extra_eos_ids: tuple[int, ...] = ()):
         self._tok = hf_tokenizer
         self.has_chat_template = chat_template is not None
-        self._template = _compile_template(chat_template if chat_template is not None else CHATML_TEMPLATE)
+        self._template = compile_chat_template(chat_template if chat_template is not None else CHATML_TEMPLATE)
         # The template globals bos_token / eos_token (None when the id has no token, as in HF).
         self.bos_token = hf_tokenizer.id_to_token(bos_token_id) if bos_token_id is not None else None
         self.eos_token = hf_tokenizer.id_to_token(eos_token_id) if eos_token_id is not None else None
-        stops = {self._tok.token_to_id(t) for t in STOP_TOKENS} | {eos_token_id}
+        stops = {self._tok.token_to_id(t) for t in STOP_TOKENS} | {eos_token_id, *extra_eos_ids}
         self.stop_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
 
     @classmethod
     def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *,
-                        bos_token_id: int | None = None, eos_token_id: int | None = None) -> "Tokenizer":
-        """Load the tokenizer.json bytes stored in a .nanoqwen file (bos/eos ids come from its config)."""
+                        bos_token_id: int | None = None, eos_token_id: int | None = None,
+                        extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        """Load the tokenizer.json bytes stored in a .nanoqwen file (bos/eos ids come from its header)."""
         try:
             hf_tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
         except Exception as err:  # invalid UTF-8, or the Rust parser's bare Exception
             raise FormatError(f"the embedded tokenizer.json cannot be loaded: {err}") from None
-        return cls(hf_tokenizer, chat_template, bos_token_id, eos_token_id)
+        return cls(hf_tokenizer, chat_template, bos_token_id, eos_token_id, extra_eos_ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -118,6 +127,8 @@ class Tokenizer:
                                          eos_token=self.eos_token)
         except jinja2.exceptions.TemplateError as err:
             raise NanoQwenError(f"the chat template failed: {err}") from None
+        except Exception as err:  # noqa: BLE001 - a template's own bug (1 + 'a'), not ours: one line
+            raise NanoQwenError(f"the chat template failed: {type(err).__name__}: {err}") from None
 
     def fim_prompt(self, prefix: str, suffix: str) -> str:
         """Qwen2.5-Coder's fill-in-the-middle prompt: the model writes the code between the two."""

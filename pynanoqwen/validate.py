@@ -167,6 +167,8 @@ def validate(model: str | None, device: str = "auto", prompts: int = DEFAULT_PRO
         raise NanoQwenError(f"--device must be auto, cpu or cuda, got {device!r}")
     if prompts < 1:
         raise NanoQwenError(f"--prompts must be >= 1, got {prompts}")
+    if seed is not None and seed < 0:
+        raise NanoQwenError(f"--seed must be >= 0, got {seed}")
     path = Path(model) if model is not None else EMBEDDED_MODEL
     embedded = model is None or path.resolve() == EMBEDDED_MODEL.resolve()
     seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed

@@ -8,7 +8,11 @@ error must name its culprit, exit 1 through the CLI with one `error:` line, and 
 
 import dataclasses
 import json
+import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -186,6 +190,30 @@ def _corrupt_header(hf_dir):
     path.write_bytes(bytes(data))
 
 
+def _edit_json(name, **changes):
+    def mutate(hf_dir):
+        path = hf_dir / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return mutate
+
+
+def _replace_with_directory(name):
+    def mutate(hf_dir):
+        (hf_dir / name).unlink()
+        (hf_dir / name).mkdir()
+    return mutate
+
+
+def _jinja_template(text: bytes):
+    """A template in chat_template.jinja only, as newer transformers save it."""
+    def mutate(hf_dir):
+        config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+        del config["chat_template"]
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+        (hf_dir / "chat_template.jinja").write_bytes(text)
+    return mutate
+
+
 def _add_lm_head_to_tied(hf_dir):
     _edit_config(tie_word_embeddings=True)(hf_dir)  # the checkpoint still holds lm_head.weight
 
@@ -218,6 +246,32 @@ ERROR_CASES = {
                    "has neither model.safetensors nor model.safetensors.index.json"),
     "truncated": (_truncate, CheckpointError, "model.safetensors is truncated: tensor lm_head.weight ends at"),
     "corrupt-header": (_corrupt_header, CheckpointError, "model.safetensors has a corrupt safetensors header"),
+    "zero-heads": (_edit_config(num_attention_heads=0), ConfigError,
+                   "malformed num_attention_heads: expected a positive integer, got 0"),
+    "fractional-size": (_edit_config(hidden_size=256.7), ConfigError, "malformed hidden_size"),
+    "too-many-layers": (_edit_config(num_hidden_layers=10**9), CheckpointError,
+                        "num_hidden_layers=1000000000, but the checkpoint holds only 27 tensors"),
+    "eos-outside-vocab": (_edit_config(eos_token_id=2**32 - 1), ConfigError,
+                          "eos_token_id 4294967295 is not a token id of the 2048-token vocabulary"),
+    "config-is-a-directory": (_replace_with_directory("config.json"), ConfigError, "config.json is a directory"),
+    "tokenizer-is-a-directory": (_replace_with_directory("tokenizer.json"), CheckpointError,
+                                 "cannot read"),
+    "template-does-not-compile": (_edit_json("tokenizer_config.json", chat_template="{% for m in messages %}"),
+                                  CheckpointError, "tokenizer_config.json: the chat template does not compile: "),
+    "jinja-template-does-not-compile": (_jinja_template(b"{{ messages[0]['content'] }\n"), CheckpointError,
+                                        "chat_template.jinja: the chat template does not compile: "),
+    "jinja-template-not-utf8": (_jinja_template(b"\xff{{ x }}"), CheckpointError,
+                                "chat_template.jinja is not UTF-8 text"),
+    "tokenizer-config-not-an-object": (lambda d: (d / "tokenizer_config.json").write_text("[1, 2]"),
+                                       CheckpointError, "tokenizer_config.json is not a JSON object"),
+    "generation-eos-outside-vocab": (_edit_json("generation_config.json", eos_token_id=[2, 5000]), CheckpointError,
+                                     "end-of-generation id 5000 (config.json or generation_config.json) is not"),
+    "generation-eos-malformed": (_edit_json("generation_config.json", eos_token_id="2"), CheckpointError,
+                                 "malformed eos_token_id in generation_config.json"),
+    "generation-eos-too-many": (_edit_json("generation_config.json", eos_token_id=list(range(10, 20))),
+                                CheckpointError, "name 10 end-of-generation ids besides eos_token_id"),
+    "generation-config-broken": (lambda d: (d / "generation_config.json").write_text("{"), CheckpointError,
+                                 "generation_config.json is not valid JSON"),
 }
 
 
@@ -275,7 +329,16 @@ def _unmap_tensor(hf_dir):
      "model-00002-of-00007.safetensors is listed in model.safetensors.index.json but does not exist"),
     (_unmap_tensor, "holds model.norm.weight, which model.safetensors.index.json maps to "
                     "'model-00001-of-00007.safetensors'"),
-], ids=["missing-shard", "index-disagrees"])
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": ["a", "b"]})(d),
+     "model.safetensors.index.json names shard ['a', 'b'], not a file name in"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": 3,
+                                                                      "lm_head.weight": "x.safetensors"})(d),
+     "model.safetensors.index.json names shard 3, not a file name in"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map=[1])(d),
+     "model.safetensors.index.json is not a valid index (a JSON object with a weight_map object)"),
+    (_replace_with_directory("model.safetensors.index.json"), "model.safetensors.index.json is a directory"),
+], ids=["missing-shard", "index-disagrees", "index-shard-a-list", "index-shard-a-number", "index-map-a-list",
+        "index-a-directory"])
 def test_sharded_errors(tmp_path, sharded_checkpoint, mutate, message):
     hf_dir = tmp_path / "hf"
     shutil.copytree(sharded_checkpoint, hf_dir)
@@ -305,3 +368,162 @@ def test_interrupt_removes_the_partial_file(tmp_path, fp32_checkpoint, monkeypat
     assert len(calls) == 3
     assert [p.name for p in tmp_path.iterdir()] == ["model.nanoqwen"]
     assert previous.read_bytes() == b"an earlier conversion"
+
+
+# ---- the output path, signals and leftovers: through `python -m pynanoqwen convert`, as a user runs it ----
+
+def run_convert(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pynanoqwen", "convert", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    hf_dir = tmp_path_factory.mktemp("bf16") / "hf"
+    make_checkpoint(TINY, hf_dir, seed=5)
+    return hf_dir
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_an_existing_out_is_replaced_only_with_force(tmp_path, bf16_checkpoint):
+    out = tmp_path / "m.nanoqwen"
+    out.write_bytes(b"an earlier conversion")
+    refused = run_convert(bf16_checkpoint, out)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr == f"error: {out} exists; pass --force to replace it\n"
+    assert out.read_bytes() == b"an earlier conversion"
+    replaced = run_convert(bf16_checkpoint, out, "--force")
+    assert replaced.returncode == 0, replaced.stderr
+    with NanoQwenFile(out) as f:
+        assert f.config.vocab_size == TINY.vocab_size
+    assert [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
+
+
+@pytest.mark.parametrize("target", ["config.json", "model.safetensors", "tokenizer.json", "new.nanoqwen",
+                                    "../elsewhere/../hf/new.nanoqwen", "link-into-checkpoint"])
+def test_an_out_inside_the_checkpoint_is_refused_even_with_force(tmp_path, bf16_checkpoint, target):
+    """`convert hf hf/config.json` used to exit 0 with config.json gone."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    (tmp_path / "elsewhere").mkdir()
+    out = hf_dir / target
+    if target == "link-into-checkpoint":
+        out = tmp_path / "elsewhere" / "m.nanoqwen"
+        out.symlink_to(hf_dir / "model.safetensors")
+    before = snapshot(tmp_path)
+    for force in ([], ["--force"]):
+        result = run_convert(hf_dir, out, *force)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == (f"error: {out} is inside the checkpoint directory {hf_dir}; write the "
+                                 ".nanoqwen file somewhere else\n"), result.stderr
+    assert snapshot(tmp_path) == before
+
+
+def test_an_input_reached_through_a_symlink_is_never_replaced(tmp_path, bf16_checkpoint):
+    """The Hugging Face cache layout: the snapshot directory holds symlinks into blobs/, so a weight
+    file has a name outside the checkpoint directory. Even --force must not write over it."""
+    blobs, hf_dir = tmp_path / "blobs", tmp_path / "snapshot"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    blobs.mkdir()
+    (hf_dir / "model.safetensors").rename(blobs / "0123abcd")
+    (hf_dir / "model.safetensors").symlink_to(blobs / "0123abcd")
+    before = snapshot(blobs)
+    result = run_convert(hf_dir, blobs / "0123abcd", "--force")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (f"error: {blobs / '0123abcd'} is {hf_dir / 'model.safetensors'}, an input of this "
+                             "conversion; write the .nanoqwen file somewhere else\n")
+    assert snapshot(blobs) == before and sorted(p.name for p in blobs.iterdir()) == ["0123abcd"]
+
+
+@pytest.mark.parametrize("make_out, message", [
+    (lambda d: d / "no-such-dir" / "m.nanoqwen", "the directory {parent} does not exist"),
+    (lambda d: d, "is a directory"),
+], ids=["missing-directory", "directory"])
+def test_an_out_that_cannot_be_a_file_is_refused_before_reading_weights(tmp_path, bf16_checkpoint, make_out, message):
+    out = make_out(tmp_path)
+    result = run_convert(bf16_checkpoint, out)
+    assert result.returncode in (1, 2) and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.format(parent=out.parent) in lines[0]
+    assert "convert:" not in result.stderr  # no progress bar: refused before the first tensor
+
+
+SIGNAL_DURING_QUANTIZATION = """
+import os, signal, sys
+from pynanoqwen import convert
+from pynanoqwen.cli import main
+
+calls = []
+quantize_int4 = convert.quantize_int4
+
+def quantize_then_signal(w):
+    calls.append(1)
+    if len(calls) == 3:  # the temp file holds the first tensors now
+        os.kill(os.getpid(), signal.{signal})
+    return quantize_int4(w)
+
+convert.quantize_int4 = quantize_then_signal
+sys.argv = ["pynanoqwen", "convert", "--force", sys.argv[1], sys.argv[2]]
+main()
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_termination_removes_the_temp_file_like_ctrl_c(tmp_path, bf16_checkpoint, signal_name):
+    """`kill PID` (or a closed terminal) during the conversion: the process exits 128 + signal,
+    the temp file is gone and an existing OUT is untouched. The signal is sent from inside the
+    third quantization, so it lands while the temp file holds data, every time."""
+    out = tmp_path / "m.nanoqwen"
+    out.write_bytes(b"an earlier conversion")
+    code = SIGNAL_DURING_QUANTIZATION.replace("{signal}", signal_name)
+    result = subprocess.run([sys.executable, "-c", code, str(bf16_checkpoint), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 128 + getattr(signal, signal_name), result.stderr
+    assert "Traceback" not in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
+    assert out.read_bytes() == b"an earlier conversion"
+
+
+def test_leftover_temp_files_of_earlier_runs_are_named_and_kept(tmp_path, bf16_checkpoint):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(finished.stdout)
+    stale = tmp_path / f"m.nanoqwen.tmp.{dead_pid}.0123abcd"
+    stale.write_bytes(b"x" * 2_000_000)
+    result = run_convert(bf16_checkpoint, tmp_path / "m.nanoqwen")
+    assert result.returncode == 0, result.stderr
+    assert (f"note: {stale} (2.0 MB) was left by an earlier convert (process {dead_pid}, which is no longer "
+            "running); it is not this run's and stays where it is") in result.stderr.splitlines()
+    assert stale.read_bytes() == b"x" * 2_000_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.nanoqwen", stale.name])
+
+
+def test_the_summary_gives_time_peak_memory_and_size(tmp_path, bf16_checkpoint):
+    """The README's 7B figures are read off this line."""
+    out = tmp_path / "m.nanoqwen"
+    result = run_convert(bf16_checkpoint, out)
+    assert result.returncode == 0, result.stderr
+    summary = result.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"converted 27 tensors: read 4\.9 MB, wrote ([\d.]+) MB in ([\d.]+) s; peak RSS "
+                         r"([\d.]+) MB \(\+[\d.]+ MB during conversion; largest output tensor [\d.]+ MB\)", summary)
+    assert match, summary
+    assert abs(float(match[1]) * 1e6 - out.stat().st_size) <= 0.05e6
+    assert float(match[3]) > 0
+
+
+def test_generation_config_eos_ids_are_carried_into_the_file(tmp_path, bf16_checkpoint):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    eos, bos = config["eos_token_id"], config["bos_token_id"]
+    _edit_json("generation_config.json", eos_token_id=[eos, 100, bos, 100])(hf_dir)
+    convert_checkpoint(hf_dir, tmp_path / "m.nanoqwen", progress=False)
+    with NanoQwenFile(tmp_path / "m.nanoqwen") as f:
+        assert f.config.eos_token_id == eos and f.extra_eos_ids == (100, bos)
+    (hf_dir / "generation_config.json").unlink()
+    _edit_config(eos_token_id=[eos, 7])(hf_dir)
+    convert_checkpoint(hf_dir, tmp_path / "m.nanoqwen", progress=False)
+    with NanoQwenFile(tmp_path / "m.nanoqwen") as f:
+        assert f.config.eos_token_id == eos and f.extra_eos_ids == (7,)

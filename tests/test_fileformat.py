@@ -10,6 +10,7 @@ checks behind the checksums run too. Any exception other than FormatError fails 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import secrets
 import struct
@@ -353,6 +354,19 @@ MALICIOUS = {
     "rope-theta-inf": (lambda f, d: f.set_header(rope_theta=float("inf")), "not a finite"),
     "eps-negative": (lambda f, d: f.set_header(rms_norm_eps=-1e-6), "must be positive"),
     "flag-two": (lambda f, d: f.set_header(qkv_bias=2), "qkv_bias is 2, expected 0 or 1"),
+    "qkv-bias-zero": (lambda f, d: f.set_header(qkv_bias=0), "qkv_bias=False is not supported"),
+    "bos-max": (lambda f, d: f.set_header(bos_token_id=2**32 - 1),
+                "bos_token_id 4294967295 is not a token id of the 256-token vocabulary"),
+    "eos-max": (lambda f, d: f.set_header(eos_token_id=2**32 - 1),
+                "eos_token_id 4294967295 is not a token id of the 256-token vocabulary"),
+    "eos-vocab": (lambda f, d: f.set_header(eos_token_id=256), "eos_token_id 256 is not a token id"),
+    "context-max": (lambda f, d: f.set_header(max_position_embeddings=2**32 - 1),
+                    "max_position_embeddings 4294967295 is beyond 2147483647"),
+    "extra-eos-count": (lambda f, d: f.set_header(extra_eos_count=9), "extra_eos_count is 9"),
+    "extra-eos-unused-slot": (lambda f, d: f.set_header(extra_eos_ids=bytes(31) + b"\1"), "unused extra_eos_ids"),
+    "extra-eos-past-vocab": (lambda f, d: f.set_header(extra_eos_count=1,
+                                                       extra_eos_ids=struct.pack("<8I", 256, *[0] * 7)),
+                             "extra end-of-generation id 256 is not a token id of the 256-token vocabulary"),
     # Tied + INT4 lm_head stores the same names as untied + INT4, so only flag pairs change the set.
     "tied-fp16-lm-head": (lambda f, d: f.set_header(tie_word_embeddings=1, lm_head_int4=0), "stores 21 tensors"),
     "lm-head-flip": (lambda f, d: f.set_header(lm_head_int4=0), "stores 22 tensors"),
@@ -582,3 +596,59 @@ def test_info_on_a_corrupt_file_prints_one_error_line(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == f"error: {tmp_path / 'absent.nanoqwen'}: no such file\n"
+
+
+# ------------------------------------------------------------------------------------ end-of-generation ids
+
+def test_extra_eos_ids_round_trip_in_the_formerly_reserved_bytes(tmp_path):
+    """The ids sit at bytes 216..251 (count, then 8 uint32 slots); a file without them keeps those
+    bytes zero, exactly as files written before the field existed."""
+    path = tmp_path / "m.nanoqwen"
+    tensors = random_tensors(SMALL, True, np.random.default_rng())
+    with NanoQwenWriter(path, SMALL, lm_head_int4=True, tokenizer_json=TOKENIZER_JSON, chat_template=None,
+                        extra_eos_ids=(7, 255)) as writer:
+        for name, array in tensors.items():
+            writer.add_tensor(name, array)
+    data = path.read_bytes()
+    assert struct.unpack_from("<I", data, 8)[0] == 1 and data[132:216] == bytes(84)
+    assert struct.unpack_from("<9I", data, 216) == (2, 7, 255, 0, 0, 0, 0, 0, 0)
+    with NanoQwenFile(path) as f:
+        assert f.extra_eos_ids == (7, 255) and f.version == 1
+    assert "end of generation eos_token_id 2; extra ids 7, 255" in describe(path)
+    write_file(path, SMALL, True, tensors)
+    with NanoQwenFile(path) as f:
+        assert f.extra_eos_ids == ()
+    assert path.read_bytes()[132:252] == bytes(120)
+
+
+def test_the_embedded_model_written_before_the_field_still_loads():
+    from pynanoqwen.data import EMBEDDED_MODEL
+
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        assert f.extra_eos_ids == () and f.version == 1 and f.config.eos_token_id == 0
+
+
+@pytest.mark.parametrize("ids, message", [
+    (tuple(range(3, 12)), "9 end-of-generation ids besides eos_token_id; the header holds at most 8"),
+    ((256,), "extra end-of-generation id 256 must be a token id below vocab_size 256"),
+    ((2,), "other than eos_token_id"),
+    ((5, 5), "given once"),
+    ((-1,), "extra end-of-generation id -1"),
+])
+def test_writer_refuses_bad_extra_eos_ids(tmp_path, ids, message):
+    with pytest.raises(FormatError, match=message):
+        NanoQwenWriter(tmp_path / "m.nanoqwen", SMALL, lm_head_int4=True, tokenizer_json=b"{}",
+                       chat_template=None, extra_eos_ids=ids)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftover_temp_files_are_found_by_name(tmp_path):
+    from pynanoqwen.fileformat import leftover_temp_files, temp_path
+
+    out = tmp_path / "m.nanoqwen"
+    mine = temp_path(out)
+    for name in (mine.name, "m.nanoqwen.tmp.12.0123abcd", "m.nanoqwen.tmp.x.0123abcd", "other.nanoqwen.tmp.3.0123abcd",
+                 "m.nanoqwen.tmp.12.0123abcd.bak", "m.nanoqwen"):
+        (tmp_path / name).write_bytes(b"")
+    assert leftover_temp_files(out) == sorted([(mine, os.getpid()), (tmp_path / "m.nanoqwen.tmp.12.0123abcd", 12)])
+    assert leftover_temp_files(tmp_path / "absent-dir" / "m.nanoqwen") == []

@@ -4,15 +4,13 @@ weights and activations, and the bandwidth each reaches (run with -s to see it).
 Tolerances are the bounds derived in tests/sim/test_gemv_sim.py (u16 = 2^-11, u32 = 2^-24):
 prmt |error| <= 16 u16 sum|s w x| (FP16 accumulation over one lane's 16 products per half) plus
 (K/32 + 8) u32 sum|s w x| (float32); dp4a sum |s w| (x_scale/2 + 2^-22 |x|) (INT8 activations)
-plus the same float32 term. Set PYNANOQWEN_GEMV_SWEEP=1 to time every rows-per-warp choice too.
+plus the same float32 term. dev/gemv_plans.py times other GemvPlans.
 """
-
-import os
 
 import numpy as np
 import pytest
 
-from pynanoqwen.kernels.gemv_int4 import default_rows_per_warp, gemv_bytes, make_gate_up_silu, make_gemv_int4
+from pynanoqwen.kernels.gemv_int4 import default_plan, gemv_bytes, make_gate_up_silu, make_gemv_int4
 from pynanoqwen.gpu_timing import time_gemv
 from pynanoqwen.quant import dequantize_int4
 
@@ -112,26 +110,24 @@ def test_gate_up_silu_7b_shape(path):
 
 def test_gemv_bandwidth_report():
     rng = np.random.default_rng()
-    sweep = os.environ.get("PYNANOQWEN_GEMV_SWEEP") == "1"
-    print("\nshape                 path  rows    us/call   GB/s  % of 4.3 TB/s")
+    print("\nshape                 path  plan                      us/call   GB/s  % of 4.3 TB/s")
     for name, n, k in [("qkv", QKV, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("gate_up", INTERMEDIATE, HIDDEN),
                        ("down_proj", HIDDEN, INTERMEDIATE), ("lm_head", VOCAB, HIDDEN)]:
         matrices = 2 if name == "gate_up" else 1
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
         for path in ("prmt", "dp4a"):
-            for rows in ((1, 2, 4) if sweep else (None,)):
-                if matrices == 2:
-                    def build(rows=rows, path=path):
-                        (gq, gs), (uq, us) = weights
-                        return make_gate_up_silu(n, k, gq, gs, uq, us, path=path, rows_per_warp=rows)
-                else:
-                    def build(rows=rows, path=path):
-                        return make_gemv_int4(n, k, *weights[0], path=path, rows_per_warp=rows)
-                seconds = time_gemv(build, nbytes, np.float16 if matrices == 2 else np.float32)
-                label = f"{name} {n}x{k}" + (" x2" if matrices == 2 else "")
-                rows_used = default_rows_per_warp(n, matrices) if rows is None else rows
-                print(f"{label:21s} {path:5s} {rows_used:4d} {seconds * 1e6:10.2f} {nbytes / seconds / 1e9:6.0f}"
-                      f"  {100 * nbytes / seconds / ROOFLINE:5.1f}")
-                # Faster than HBM would mean the weights came from L2: the measurement is broken.
-                assert nbytes / seconds < 1.15 * ROOFLINE
+            if matrices == 2:
+                def build(path=path):
+                    (gq, gs), (uq, us) = weights
+                    return make_gate_up_silu(n, k, gq, gs, uq, us, path=path)
+            else:
+                def build(path=path):
+                    return make_gemv_int4(n, k, *weights[0], path=path)
+            seconds = time_gemv(build, nbytes, np.float16 if matrices == 2 else np.float32)
+            label = f"{name} {n}x{k}" + (" x2" if matrices == 2 else "")
+            plan = default_plan(n, k, matrices)
+            print(f"{label:21s} {path:5s} R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}"
+                  f"{seconds * 1e6:26.2f} {nbytes / seconds / 1e9:6.0f}  {100 * nbytes / seconds / ROOFLINE:5.1f}")
+            # Faster than HBM would mean the weights came from L2: the measurement is broken.
+            assert nbytes / seconds < 1.15 * ROOFLINE

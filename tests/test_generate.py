@@ -2,9 +2,11 @@
 checkpoint writer and `convert`), checked against independent loops over the reference model;
 stop conditions, streaming, and every refusal as one `error:` line."""
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from pynanoqwen.checkpoint import make_checkpoint
 from pynanoqwen.cli import main
 from pynanoqwen.convert import convert_checkpoint
 from pynanoqwen.errors import NanoQwenError
-from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.fileformat import NanoQwenFile, NanoQwenWriter
 from pynanoqwen.reference import ReferenceModel
 from pynanoqwen.sampling import SamplingParams, sample
 from pynanoqwen.tokenizer import Tokenizer
@@ -262,3 +264,166 @@ def test_python_dash_m_streams_and_fails_cleanly(tiny_file):
     bad = subprocess.run(base + ["--top-p", "2", PROMPT], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr == "error: --top-p must be in (0, 1], got 2.0\n"
+
+
+# ---- bad input through `python -m pynanoqwen generate`, as a user types it ----
+
+def run_module(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """Arguments may be bytes: Linux passes them to Python undecoded, as a terminal would."""
+    return subprocess.run([sys.executable, "-m", "pynanoqwen", *args], input=stdin, capture_output=True,
+                          timeout=300)
+
+
+def one_error_line(result: subprocess.CompletedProcess, message: str, code: int = 1) -> None:
+    stderr = result.stderr.decode("utf-8", "backslashreplace")
+    assert result.returncode == code and result.stdout == b"", stderr
+    assert stderr.count("\n") == 1 and stderr.startswith("error: ") and re.search(message, stderr), stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    ([b"def f\xff():"], r"the prompt is not valid UTF-8 text \(byte 0xff at character 5\)"),
+    ([b"--chat", b"--system", b"caf\xe9", b"hi"], r"--system is not valid UTF-8 text \(byte 0xe9 at character 3\)"),
+    ([b"--fim-suffix", b"\xc3(", b"def f():"], r"--fim-suffix is not valid UTF-8 text \(byte 0xc3 at character 0\)"),
+], ids=["prompt", "system", "fim-suffix"])
+def test_text_that_is_not_utf8_is_one_error_line(tiny_file, args, message):
+    """It used to be `TypeError: TextInputSequence must be str` and a 32-line traceback."""
+    one_error_line(run_module("generate", "--model", tiny_file, "--device", "cpu", *args), message)
+
+
+def test_prompt_file_and_standard_input_give_the_same_tokens_as_the_argument(tiny_file, tmp_path):
+    prompt_file = tmp_path / "prompt.py"
+    prompt_file.write_text(PROMPT, encoding="utf-8")
+    base = ["generate", "--model", tiny_file, "--device", "cpu", "--max-new-tokens", "6"]
+    from_argument = run_module(*base, PROMPT)
+    from_file = run_module(*base, "--prompt-file", str(prompt_file))
+    from_stdin = run_module(*base, "--prompt-file", "-", stdin=PROMPT.encode())
+    assert from_argument.returncode == 0, from_argument.stderr
+    for result in (from_file, from_stdin):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == from_argument.stdout
+        assert result.stderr.splitlines()[-1].split(b";")[0] == from_argument.stderr.splitlines()[-1].split(b";")[0]
+
+
+def test_a_prompt_longer_than_the_command_line_allows(tiny_file, tmp_path):
+    """Past ~128 KB an argument is refused by the OS ("Argument list too long"); a file is not."""
+    prompt_file = tmp_path / "context.py"
+    prompt_file.write_text("x = 1\n" * 40_000, encoding="utf-8")  # 240 KB
+    result = run_module("generate", "--model", tiny_file, "--device", "cpu", "--prompt-file", str(prompt_file))
+    one_error_line(result, r"the prompt is \d+ tokens, which leaves no room to generate in a context of 2048")
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: ([str(d / "absent.txt")], None), r"--prompt-file .*absent.txt: no such file"),
+    (lambda d: ([str(d)], None), r"--prompt-file .*: is a directory"),
+    (lambda d: ([str(d / "latin1.txt")], b"caf\xe9 = 1\n"), r"latin1.txt is not UTF-8 text \(invalid continuation"),
+    (lambda d: ([str(d / "empty.txt")], b""), r"--prompt-file .*empty.txt is empty$"),
+    (lambda d: ([str(d / "blank.txt")], b" \n\t\n"), r"blank.txt is empty \(only white space\)"),
+    (lambda d: (["-"], b"\xff"), r"--prompt-file - \(standard input\) is not UTF-8 text"),
+    (lambda d: (["-"], b""), r"--prompt-file - \(standard input\) is empty"),
+    (lambda d: ([str(d / "p.txt"), "also-an-argument"], b"x"),
+     "give the prompt as PROMPT or with --prompt-file, not both"),
+], ids=["missing", "directory", "not-utf8", "empty", "blank", "stdin-not-utf8", "stdin-empty", "both"])
+def test_prompt_file_refusals(tiny_file, tmp_path, setup, message):
+    args, content = setup(tmp_path)
+    if content is not None and args[0] != "-":
+        Path(args[0]).write_bytes(content)
+    stdin = content if args[0] == "-" else b""
+    result = run_module("generate", "--model", tiny_file, "--device", "cpu", "--prompt-file", *args, stdin=stdin)
+    one_error_line(result, message)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_prompt_file_is_one_error_line(tiny_file, tmp_path):
+    locked = tmp_path / "locked.txt"
+    locked.write_text("x")
+    locked.chmod(0)
+    result = run_module("generate", "--model", tiny_file, "--device", "cpu", "--prompt-file", str(locked))
+    one_error_line(result, "locked.txt: cannot read: Permission denied")
+
+
+def test_no_prompt_at_all_is_one_error_line(tiny_file):
+    one_error_line(run_module("generate", "--model", tiny_file, "--device", "cpu"),
+                   r"no prompt: give PROMPT, or --prompt-file FILE \('-' reads standard input\)")
+
+
+def rewritten(source: str, path: Path, **changes) -> str:
+    """The model in `source` written again with some header or tokenizer fields changed, the way
+    a file written by an older converter (or by hand) may hold them."""
+    with NanoQwenFile(source) as f:
+        fields = dict(lm_head_int4=f.lm_head_int4, tokenizer_json=bytes(f.tokenizer_json),
+                      chat_template=f.chat_template, extra_eos_ids=f.extra_eos_ids)
+        fields.update(changes)
+        with NanoQwenWriter(path, f.config, **fields) as writer:
+            for name in f.names:
+                writer.add_tensor(name, f.tensor(name))
+    return str(path)
+
+
+def test_a_file_whose_chat_template_is_broken_still_completes_raw_prompts(tiny_file, reference, tmp_path):
+    """Files converted before convert compiled templates may hold one that does not compile: raw and
+    fill-in-the-middle generation must still work; --chat is refused with the template's error."""
+    broken = rewritten(tiny_file, tmp_path / "broken-template.nanoqwen", chat_template="{% for m in messages %}")
+    base = ["generate", "--model", broken, "--device", "cpu", "--max-new-tokens", "5"]
+    raw = run_module(*base, PROMPT)
+    assert raw.returncode == 0, raw.stderr
+    ids = reference[0].encode(PROMPT, add_special_tokens=False).ids
+    assert raw.stdout.decode() == reference_generation(reference, ids, SamplingParams(), 5) + "\n"
+    assert run_module(*base, "--fim-suffix", "\n    return y\n", "def f(x):\n").returncode == 0
+    one_error_line(run_module(*base, "--chat", "hi"), r"the chat template does not compile: .* \(line 1\)")
+
+
+def test_generation_stops_at_the_files_extra_end_of_generation_ids(tiny_file, reference, tmp_path):
+    """The first greedy token of PROMPT, made an extra end-of-generation id in the header, ends the
+    generation at once: nothing is printed and the summary says why."""
+    raw, model, stops = reference
+    ids = raw.encode(PROMPT, add_special_tokens=False).ids
+    model.reset()
+    first = int(np.argmax(model.forward(ids)[-1]))
+    assert first not in stops
+    stopping = rewritten(tiny_file, tmp_path / "extra-eos.nanoqwen", extra_eos_ids=(first,))
+    result = run_module("generate", "--model", stopping, "--device", "cpu", "--max-new-tokens", "5", PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"\n" and b"1 generated (stop token)" in result.stderr
+
+
+@pytest.mark.parametrize("token", ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|fim_prefix|>",
+                                   "<|fim_middle|>", "<|fim_suffix|>", "<|endoftext|>"])
+def test_generation_stops_at_every_end_of_generation_special_token(tokenizer, token):
+    """Qwen2.5-Coder's FIM completions end with one of these; they used to be printed."""
+    stop = tokenizer.token_to_id(token)
+    word = tokenizer.encode(" hello")
+    result = gen.generate(gen.CpuBackend(ScriptedModel(word + [stop, 50], 2048, 64)), tokenizer, [10, 11],
+                          SamplingParams(), 100, lambda text: None)
+    assert result.tokens == word + [stop] and result.stop_reason == "stop token" and result.text == " hello"
+
+
+def test_device_cuda_without_a_gpu_says_nothing_about_the_model_first():
+    """The embedded model's status line used to come first, naming "the GPU engine", then the error."""
+    if gen.cuda_gpu_available():
+        pytest.skip("a GPU is present")
+    one_error_line(run_module("generate", "--device", "cuda", "def f():"),
+                   r"^error: no CUDA GPU found; use --device cpu$")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
+    (["--max-context", "-3"], "--max-context must be >= 2, got -3"),
+    (["--top-p", "2"], r"--top-p must be in \(0, 1\], got 2.0"),
+    (["--top-k", str(2**40)], "--top-k must be at most 2147483647"),
+    (["--temperature", "inf"], "--temperature must be between 0 and 100"),
+    (["--seed", str(2**64)], r"--seed must be in \[0, 2\^63\)"),
+    (["--max-new-tokens", "many"], r"Invalid value for '--max-new-tokens': 'many' is not a valid integer; "
+                                   r"see 'python -m pynanoqwen generate --help'"),
+    (["--gemv", "fast"], "Invalid value for '--gemv'"),
+])
+def test_bad_numbers_are_one_error_line_before_the_model_loads(args, message):
+    code = 2 if "Invalid value" in message else 1
+    one_error_line(run_module("generate", "--device", "cpu", *args, "def f():"), message, code)
+
+
+def test_a_huge_max_new_tokens_is_capped_by_the_context(tiny_file):
+    result = run_module("generate", "--model", tiny_file, "--device", "cpu", "--max-context", "24",
+                        "--max-new-tokens", str(10**30), PROMPT)
+    assert result.returncode == 0, result.stderr
+    assert re.search(rb"\d+ generated \((context full|stop token)\)", result.stderr), result.stderr

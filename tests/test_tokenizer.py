@@ -67,10 +67,14 @@ def test_encode_decode_round_trip_and_special_tokens(tokenizer):
     assert all(i >= len(SPECIAL) for i in tokenizer.encode("hello"))
 
 
-def test_stop_ids_are_endoftext_im_end_and_the_config_eos(backend):
+def test_stop_ids_are_the_end_and_fim_tokens_the_config_eos_and_the_extra_eos_ids(backend):
+    """<|endoftext|>, <|im_end|> and the FIM/repository markers (ids 3..8 here; not <|im_start|>,
+    id 1), the header's eos_token_id and its extra end-of-generation ids."""
     json_bytes = backend.to_str().encode()
-    assert Tokenizer.from_json_bytes(json_bytes, None).stop_ids == {0, 2}
-    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=7).stop_ids == {0, 2, 7}
+    assert Tokenizer.from_json_bytes(json_bytes, None).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8}
+    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=17).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8, 17}
+    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=2,
+                                     extra_eos_ids=(40, 41)).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8, 40, 41}
 
 
 def test_a_broken_tokenizer_json_is_a_format_error():
@@ -159,6 +163,13 @@ def test_templates_run_sandboxed(backend):
         escaping.apply_chat_template([{"role": "user", "content": "x"}])
     with pytest.raises(FormatError, match="does not compile"):
         Tokenizer(backend, "{% for m in messages %}")
+
+
+def test_a_template_that_fails_while_rendering_is_one_error(backend):
+    with pytest.raises(NanoQwenError, match="chat template failed: TypeError"):
+        Tokenizer(backend, "{{ 1 + 'a' }}").apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(FormatError, match=r"does not compile: .*\(line 2\)"):
+        Tokenizer(backend, "ok\n{% if %}")
 
 
 def test_fim_prompt(tokenizer):

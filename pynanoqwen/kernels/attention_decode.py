@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache: one query token against positions 0..pos.
+"""Decode attention over the paged KV cache, on the tensor cores: one query token against 0..pos.
 
     attn[h] = softmax_j(q[h] . K[j, h // group] / sqrt(head_dim)) @ V[j, h // group],  j = 0..pos
 
@@ -8,53 +8,57 @@ k_pages, v_pages float16 [num_pages, num_kv_heads, 16, head_dim]; page_table int
 (the current token's K/V are already in the cache, so the context is pos + 1 tokens);
 attn float16 [num_heads * head_dim].
 
-Launch shape. grid = (num_kv_heads, num_splits), block = (group + 1) warps. Block (g, s) serves
-the `group` query heads of KV head g over split s of the context: a contiguous run of
-ceil(pages_used / num_splits) pages, possibly none (flash-decoding). num_splits is fixed when
-the kernel is built (default: 132 SMs // num_kv_heads, so at 7B 4 x 33 = 132 blocks), because
-the launch is frozen in a CUDA graph and must serve every context length 1..max_pages * 16; the
-kernel reads pos from device memory and works out its own page range.
+Launch shape. grid = (num_kv_heads, num_splits), block = CONSUMERS + 1 warps (4 + 1). Block (g, s)
+serves all `group` query heads of KV head g over split s of the context: a contiguous run of
+max(ceil(pages_used / num_splits), min_pages_per_split) pages, possibly none (flash-decoding).
+num_splits is fixed when the kernel is built (default: the GPU's SMs // num_kv_heads, 4 x 33 =
+132 blocks on an H200), because the launch is frozen in a CUDA graph and must serve every context
+length; the kernel reads pos from device memory and works out its own page range.
+
+Why the tensor cores. The group's query heads are the rows of one 16-row mma tile (rows >= group
+are zero), so one warp turns a 16-key page into the 16 x 16 scores S = Q K^T with
+`mma.sync.m16n8k16` (2 key n tiles x head_dim / 16 k steps) and adds P V for all heads at once
+(head_dim / 8 n tiles). Each K/V element is read from shared memory once per block, by
+`ldmatrix`, instead of once per query head: the SIMT kernel this replaces spent ~720 instructions
+per page per head (a 16-wide warp_sum per key) and ran issue-bound at 2-16% of bandwidth
+(docs/PERFORMANCE.md). Precision is that of float32 arithmetic: q (float32, pre-scaled by
+log2(e) / sqrt(head_dim), so exp2 gives the weights) and the weights P are each split into an FP16
+high part and an FP16 remainder, and both halves go through the mma, whose products are exact and
+whose sums are float32; the result is rounded once, to FP16, at the end.
 
 Inside a block (warp specialisation):
-- the producer warp (the last one; only its lane 0 works) streams this split's pages: for each
-  page it waits until ring stage `i % STAGES` is free (`empty` mbarrier), announces 2 tiles of
-  bytes on the stage's `full` mbarrier and issues two `cp.async.bulk` copies, the K tile and the
-  V tile of (page, g): 16 x head_dim float16 each, 4 KiB at head_dim 128, contiguous in memory.
-- consumer warp w computes query head g * group + w; every lane owns 4 of the 128 dimensions
-  (dims 64c + 2 * lane + {0, 1} for c = 0, 1), so reading one K or V row is, per c, one 4-byte
-  shared load per lane of 32 consecutive words: all 32 banks, no conflict. Per page: 16 scores
-  (partial dot per lane, `warp_sum`), an online-softmax update of (max, sum, acc), then the
-  weighted sum of the 16 V rows; then every consumer lane arrives on the stage's `empty` barrier
-  (count 32 x group), so a stage is refilled only after each lane's own reads, with no syncwarp.
-  The ring holds STAGES pages, so the copy engine fetches ahead while the consumers compute.
-Scores live in the log2 domain: q is pre-scaled by log2(e) / sqrt(head_dim), so exp2 (one
-`ex2.approx` instruction) gives the softmax weights.
+- the producer warp (the last) streams the split's pages into a ring of STAGES pages: for page i,
+  lane 0 waits until stage i % STAGES is free (`empty` mbarrier) and announces the page's bytes on
+  the stage's `full` mbarrier, then each of the 32 lanes issues one `cp.async.bulk` of a 256-byte
+  K row (lanes 0-15) or V row (16-31); rows past the context are written as zeros instead (the
+  cache holds anything there, and P V would form 0 * NaN). Row by row, so that each smem row can be padded from 64 to
+  68 words: the 8 rows one ldmatrix matrix reads then fall in 8 different 16-byte bank groups
+  (a 256-byte row stride puts all 8 in one, an 8-way conflict).
+- consumer warp w takes pages w, w + CONSUMERS, ... (STAGES is a multiple of CONSUMERS, so each
+  stage serves one consumer, two pages ahead at the defaults): waits for the page's `full` phase, computes S,
+  masks keys past the context, updates its own online softmax (running max and sum of each head,
+  float32), adds P V into its float32 accumulators, and its 32 lanes arrive on the stage's `empty`
+  barrier once their ldmatrix reads are done.
+- then the consumers' (max, sum, acc) meet in shared memory and the block writes one partial per
+  head for its split.
+Merge across splits. Each block increments a per-KV-head counter; the block that arrives last
+(threadfence / atomic / threadfence, as in CUDA's threadFenceReduction sample) combines the
+partials of the splits that had pages (their loads 16 bytes wide, MERGE_UNROLL splits in flight
+at once, through L2 with `ld.global.cg`: other blocks wrote them), writes attn and resets the
+counter for the next launch. Programmatic dependent launch (ptx/griddep.py): barriers are set up
+before grid_dependency_wait; everything else waits for q and the K/V of this position.
 
-Merge. Each split writes its partial (max, sum, unnormalised acc) per head to a workspace the
-kernel object owns; then the block increments a per-KV-head counter, and the block that arrives
-last (threadfence / atomic / threadfence, as in CUDA's threadFenceReduction sample) merges the
-partials of the splits that had pages, writes attn, and resets the counter for the next launch.
-That saves a second kernel launch per layer (~1 us each inside a graph, ../shared/GPU-NOTES.md).
+Shared memory (dynamic): the ring, 2 x STAGES x 16 x 68 words (69.6 KiB at 8 stages, head_dim
+128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
+merge's weights (2 x group x num_splits floats): ~86 KiB.
 
-Shared memory: the ring, STAGES x (K tile + V tile) = 4 x 8 KiB at head_dim 128, plus 2 x STAGES
-mbarriers and a flag: 32836 bytes per block (nvJitLink reports 33860 with the 1 KiB sm_90
-reserves per block), so up to six blocks fit an SM's 228 KiB.
-
-Cost model (predicted from the PTX, not measured; tests/test_attention_gpu.py prints the real
-figures). DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per
-layer at ctx 512 (28 MiB per token, against 3.65 GB of INT4 weights), 8 MiB at 4096, 64 MiB at
-32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us. The partials add num_heads x (head_dim + 2) x 4 B
-per active split (0.5 MiB with 33 splits, L2-resident). Instruction issue: the consumer's page
-loop is ~720 PTX instructions per warp (128 cvt.f32.f16, 64 ld.shared and 64 unpacking movs to
-read the two tiles, 128 fma, 80 shfl + 96 add for the 16 warp_sums, 17 ex2), so ~5000 per page
-per SM for 7 warps: ~1250 clocks at 4 per clock, ~0.65 us at 1.98 GHz, while a page takes ~0.25 us
-to arrive through one SM's 1/132 share of the bandwidth. Long contexts should therefore be
-issue-bound at ~2.5x the bandwidth floor (~40 us at ctx 32768), short ones latency-bound (launch,
-a DRAM round trip per stage, the merge: a few us). Shared-memory bandwidth is not the limit: each
-consumer warp reads every tile, 7 x 8 KiB per page per SM at 128 B per clock is ~450 clocks. If
-the GPU confirms this, the levers are a transposed butterfly that reduces the 16 partial dots of
-a page with 16 shuffles instead of 80, and warps that serve all query heads of a subset of the
-rows, so each K/V element is converted once per block instead of once per consumer warp.
+Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
+DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
+512, 8 MiB at 4096, 64 MiB at 32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us. Per page a consumer
+issues 16 ldmatrix.x4, 64 mma (hi and lo halves), ~60 softmax instructions and 32 FMULs of
+rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
+of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
+trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
 """
 
 from __future__ import annotations
@@ -65,179 +69,327 @@ import numpy as np
 from numba import cuda, types
 
 from ..errors import ConfigError
-from ..ptx.bulk_copy import BULK_COPY_ALIGNMENT, bulk_copy_to_shared
-from ..ptx.half2 import half2_to_float2
-from ..ptx.mbarrier import (fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx,
-                            mbarrier_init, mbarrier_wait)
-from ..ptx.warp import warp_sum
+from ..launch import launch, multiprocessor_count
+from ..ptx.bulk_copy import bulk_copy_to_shared
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
+from ..ptx.half2 import float2_to_half2, half2_to_float2
+from ..ptx.loads import ld_global_cg_f32, ld_global_cg_v4_f32
+from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
+    mbarrier_wait
+from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
+from ..ptx.warp import shfl_xor, syncwarp, warp_max, warp_sum
 from . import CompileTarget
 
 PAGE_SIZE = 16  # tokens per KV page (docs/DECODE.md)
-SM_COUNT = 132  # H100 / H200 SXM: the default num_splits fills every SM with one block
-STAGES = 4  # default ring depth: 4 x 8 KiB in flight per SM at head_dim 128
+CONSUMERS = 4  # consumer warps per block
+STAGES = 8  # pages in the ring: two per consumer, so each one's next page is on its way
+MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
+MERGE_UNROLL = 8  # split partials whose loads the merge keeps in flight together
+MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen2.5: 5..8)
+ROW_PAD_WORDS = 4  # smem K/V rows padded by 16 bytes: ldmatrix's 8 row addresses in 8 bank groups
+U = np.uint32
 
 
-def default_num_splits(num_kv_heads: int) -> int:
-    """Splits per KV head so that the grid has about one block per SM."""
-    return max(1, SM_COUNT // num_kv_heads)
+def default_num_splits(num_kv_heads: int, sm_count: int | None = None) -> int:
+    """Splits per KV head so that the grid has about one block per SM (of this GPU, by default)."""
+    return max(1, (multiprocessor_count() if sm_count is None else sm_count) // num_kv_heads)
 
 
 def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,
-                          num_splits: int | None = None, stages: int = STAGES) -> "DecodeAttention":
+                          num_splits: int | None = None, stages: int = STAGES, consumers: int = CONSUMERS,
+                          min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> "DecodeAttention":
     """Build the decode-attention kernel for one model's attention shape (dims become constants)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim % 64:
-        raise ConfigError(f"decode attention needs head_dim a multiple of 64, got {head_dim}")
-    if num_heads // num_kv_heads > 31:
-        raise ConfigError(f"{num_heads // num_kv_heads} query heads per KV head: at most 31 "
-                          f"consumer warps fit one block")
+    if head_dim % 32:
+        raise ConfigError(f"decode attention needs head_dim a multiple of 32, got {head_dim}")
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ConfigError(f"{num_heads // num_kv_heads} query heads per KV head: at most {MAX_GROUP} fit "
+                          "the decode attention's mma tile")
     num_splits = default_num_splits(num_kv_heads) if num_splits is None else num_splits
-    if min(num_splits, max_pages, stages) < 1:
-        raise ConfigError(f"num_splits ({num_splits}), max_pages ({max_pages}) and stages ({stages}) "
-                          f"must be positive")
-    return DecodeAttention(num_heads, num_kv_heads, head_dim, max_pages, num_splits, stages)
+    if min(num_splits, max_pages, stages, consumers, min_pages_per_split) < 1:
+        raise ConfigError(f"num_splits ({num_splits}), max_pages ({max_pages}), stages ({stages}), consumers "
+                          f"({consumers}) and min_pages_per_split ({min_pages_per_split}) must be positive")
+    if stages % consumers:
+        # Consumer w takes pages w, w + consumers, ...; with stages a multiple of consumers every
+        # stage belongs to one consumer, who waits for its fills in order. Otherwise a consumer
+        # could wait for a stage's fill n + 1 while fill n is still in flight, and mbarrier
+        # parity cannot tell phases n and n + 2 apart (it read a stale page in the simulator).
+        raise ConfigError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
+    return DecodeAttention(num_heads, num_kv_heads, head_dim, max_pages, num_splits, stages, consumers,
+                           min_pages_per_split)
 
 
-def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages):
-    GROUP = num_heads // num_kv_heads  # query heads per KV head = consumer warps per block
-    PRODUCER_WARP = GROUP
-    CONSUMER_THREADS = 32 * GROUP
-    HEAD_DIM = head_dim
-    NUM_SPLITS = num_splits
-    STAGES = stages
-    CHUNKS = head_dim // 64  # a lane owns 2 dims (one half2 word) in each 64-dim chunk of a row
-    DIMS_PER_LANE = 2 * CHUNKS
-    ROW_WORDS = head_dim // 2  # a K/V row as uint32 words, each holding two float16
-    TILE_BYTES = PAGE_SIZE * head_dim * 2  # one (page, kv head) K or V tile, one bulk copy
+def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consumers: int) -> dict[str, int]:
+    """Word offsets of the dynamic shared memory's parts, and its size in bytes ("bytes")."""
+    page_words = PAGE_SIZE * (head_dim // 2 + ROW_PAD_WORDS)
+    ring = stages * page_words
+    layout = {"k_ring": 0, "v_ring": ring, "partial_acc": 2 * ring}
+    layout["partial_max"] = layout["partial_acc"] + consumers * group * head_dim
+    layout["partial_sum"] = layout["partial_max"] + consumers * group
+    layout["split_max"] = layout["partial_sum"] + consumers * group
+    layout["split_sum"] = layout["split_max"] + group * num_splits
+    layout["bytes"] = 4 * (layout["split_sum"] + group * num_splits)
+    return layout
+
+
+def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers, min_pages_per_split):
+    GROUP = num_heads // num_kv_heads
+    WARPS = consumers + 1
+    PRODUCER_WARP = consumers
+    THREADS = 32 * WARPS
+    ROW_WORDS = head_dim // 2
+    SMEM_ROW_WORDS = ROW_WORDS + ROW_PAD_WORDS
+    PAGE_WORDS = PAGE_SIZE * SMEM_ROW_WORDS
+    ROW_BYTES = 2 * head_dim
+    DIM_STEPS = head_dim // 16  # k steps of Q K^T
+    DIM_NTILES = head_dim // 8  # n tiles of O
+    DIM_QUADS = head_dim // 4
+    Q_WORDS, O_FLOATS = 2 * DIM_STEPS, 2 * DIM_NTILES  # per lane: Q's A fragments (row gid), O's row gid
+    layout = shared_layout(GROUP, head_dim, num_splits, stages, consumers)
+    K_RING, V_RING = layout["k_ring"], layout["v_ring"]
+    P_ACC, P_MAX, P_SUM = layout["partial_acc"], layout["partial_max"], layout["partial_sum"]
+    S_MAX, S_SUM = layout["split_max"], layout["split_sum"]
     Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(head_dim))
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)
+    NONE = U(0)  # a zero half2: the A rows 8..15 of every mma (no query head there)
+
+    @cuda.jit(device=True, inline="always")
+    def split_hi_lo(x0, x1):
+        """(half2 of (x0, x1), half2 of what FP16 rounding left out): x = hi + lo to ~2^-22."""
+        hi = float2_to_half2(x0, x1)
+        h0, h1 = half2_to_float2(hi)
+        return hi, float2_to_half2(x0 - h0, x1 - h1)
 
     @cuda.jit
-    def decode_attention(q, k_pages, v_pages, page_table, pos, out,
-                         part_max, part_sum, part_acc, arrivals):
-        k_ring = cuda.shared.array((STAGES, PAGE_SIZE, ROW_WORDS), types.uint32, alignment=BULK_COPY_ALIGNMENT)
-        v_ring = cuda.shared.array((STAGES, PAGE_SIZE, ROW_WORDS), types.uint32, alignment=BULK_COPY_ALIGNMENT)
-        full = cuda.shared.array(STAGES, types.uint64)  # stage holds its page's K and V
-        empty = cuda.shared.array(STAGES, types.uint64)  # every consumer is done with the stage
+    def decode_attention(q, k_pages, v_pages, page_table, pos, out, part_max, part_sum, part_acc, arrivals):
+        full = cuda.shared.array(stages, types.uint64)  # stage holds its page's K and V
+        empty = cuda.shared.array(stages, types.uint64)  # its consumer is done with the stage
         last_block = cuda.shared.array(1, types.int32)
+        pages_ahead = cuda.shared.array(32, types.int32)  # the producer's next 32 page-table entries
+        words = cuda.shared.array(0, types.uint32)  # the K and V rings (dynamic shared memory)
+        floats = cuda.shared.array(0, types.float32)  # the same memory: partials past the rings
 
         kv_head = cuda.blockIdx.x
         split = cuda.blockIdx.y
-        warp = cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        gid, tq = lane // 4, lane % 4
+
+        if tid == 0:
+            for stage in range(stages):
+                mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
+                mbarrier_init(empty, stage, 32)  # one consumer warp's lanes
+            fence_barrier_init()
+        grid_dependency_wait()  # q and this position's K/V come from the kernel before (launch.py)
+        cuda.syncthreads()
 
         context = pos[0] + 1
         pages_used = (context + PAGE_SIZE - 1) // PAGE_SIZE
-        pages_per_split = (pages_used + NUM_SPLITS - 1) // NUM_SPLITS
+        pages_per_split = max((pages_used + num_splits - 1) // num_splits, min_pages_per_split)
         first_page = split * pages_per_split
         num_pages = max(0, min(pages_used - first_page, pages_per_split))
 
-        if cuda.threadIdx.x == 0:
-            for stage in range(STAGES):
-                mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
-                mbarrier_init(empty, stage, CONSUMER_THREADS)
-            fence_barrier_init()
-        cuda.syncthreads()
-
         if warp == PRODUCER_WARP:
-            if lane == 0:
-                for i in range(num_pages):
-                    stage = i % STAGES
-                    # Fill number i // STAGES of this stage needs the consumers' release of the
-                    # previous fill; on the first round, parity 1 names the phase "before phase 0",
-                    # which counts as complete, so the wait falls through.
-                    mbarrier_wait(empty, stage, ((i // STAGES) & 1) ^ 1)
-                    page = page_table[first_page + i]
-                    mbarrier_arrive_expect_tx(full, stage, 2 * TILE_BYTES)
-                    bulk_copy_to_shared(k_ring[stage], k_pages[page, kv_head], TILE_BYTES, full, stage)
-                    bulk_copy_to_shared(v_ring[stage], v_pages[page, kv_head], TILE_BYTES, full, stage)
-        else:
-            head = kv_head * GROUP + warp
-            q_lane = cuda.local.array(DIMS_PER_LANE, types.float32)
-            acc = cuda.local.array(DIMS_PER_LANE, types.float32)
-            scores = cuda.local.array(PAGE_SIZE, types.float32)
-            for c in range(CHUNKS):
-                for e in range(2):
-                    q_lane[2 * c + e] = q[head, 64 * c + 2 * lane + e] * Q_SCALE
-                    acc[2 * c + e] = ZERO
-            running_max = NEG_INF
-            running_sum = ZERO
-
+            row = lane % PAGE_SIZE
+            ring = K_RING if lane < PAGE_SIZE else V_RING
             for i in range(num_pages):
-                stage = i % STAGES
-                mbarrier_wait(full, stage, (i // STAGES) & 1)
-                # Rows past the context (the tail of the last page) hold stale or garbage values,
-                # possibly NaN: mask their scores and never touch their V.
-                rows = min(PAGE_SIZE, context - (first_page + i) * PAGE_SIZE)
+                stage = i % stages
+                if i % 32 == 0:
+                    # The next 32 page-table entries in one load per lane, through shared memory:
+                    # a load per page put an L2 round trip between every two pages' copies.
+                    entry = page_table[first_page + i + lane] if i + lane < num_pages else 0
+                    syncwarp()  # every lane has read the previous 32
+                    pages_ahead[lane] = entry
+                    syncwarp()
+                at = ring + stage * PAGE_WORDS + row * SMEM_ROW_WORDS
+                valid = min(PAGE_SIZE, context - (first_page + i) * PAGE_SIZE)  # rows inside the context
+                if lane == 0:
+                    # Fill i // stages of this stage needs its consumer's release of the previous
+                    # fill; on the first round parity 1 names the phase before phase 0, complete.
+                    mbarrier_wait(empty, stage, ((i // stages) & 1) ^ 1)
+                syncwarp()
+                if row >= valid:
+                    # Past the context the cache holds anything, NaN included, and P V would form
+                    # 0 * NaN: such rows are zeros in shared memory, never copied.
+                    for w in range(ROW_WORDS):
+                        words[at + w] = U(0)
+                syncwarp()  # the zeros are ordered before lane 0's arrive, which publishes them
+                if lane == 0:
+                    mbarrier_arrive_expect_tx(full, stage, 2 * valid * ROW_BYTES)
+                if row < valid:
+                    page = pages_ahead[i % 32]
+                    source = k_pages[page, kv_head, row] if lane < PAGE_SIZE else v_pages[page, kv_head, row]
+                    bulk_copy_to_shared(words[at:at + ROW_WORDS], source, ROW_BYTES, full, stage)
+        else:
+            # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
+            # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1 (rows gid + 8 are zero).
+            head = kv_head * GROUP + gid
+            q_hi = cuda.local.array(Q_WORDS, types.uint32)
+            q_lo = cuda.local.array(Q_WORDS, types.uint32)
+            for kk in range(DIM_STEPS):
+                for side in range(2):
+                    dim = 16 * kk + 8 * side + 2 * tq
+                    x0, x1 = ZERO, ZERO
+                    if gid < GROUP:
+                        x0 = q[head, dim] * Q_SCALE
+                        x1 = q[head, dim + 1] * Q_SCALE
+                    q_hi[2 * kk + side], q_lo[2 * kk + side] = split_hi_lo(x0, x1)
+            acc = cuda.local.array(O_FLOATS, types.float32)  # O row gid: dims 8 j + 2 tq, +1
+            for d in range(O_FLOATS):
+                acc[d] = ZERO
+            s = cuda.local.array(4, types.float32)  # S row gid: keys 8 j + 2 tq, +1 of n tile j
+            running_max, running_sum = NEG_INF, ZERO  # this lane's share of the sum until the end
 
-                page_max = NEG_INF
-                for row in range(PAGE_SIZE):
-                    partial = ZERO
-                    for c in range(CHUNKS):
-                        k0, k1 = half2_to_float2(k_ring[stage, row, 32 * c + lane])
-                        partial += q_lane[2 * c] * k0  # one fma each: a chain, not mul + fma + add
-                        partial += q_lane[2 * c + 1] * k1
-                    score = warp_sum(partial)
-                    scores[row] = score if row < rows else NEG_INF
-                    page_max = max(page_max, scores[row])
-
+            i = warp
+            while i < num_pages:
+                stage = i % stages
+                mbarrier_wait(full, stage, (i // stages) & 1)
+                base = stage * PAGE_WORDS
+                # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
+                # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
+                for j in range(2):
+                    # The high and low parts of q accumulate in two chains (half the dependent mma
+                    # latency), summed at the end.
+                    c0, c1, d0, d1 = ZERO, ZERO, ZERO, ZERO
+                    for kk2 in range(DIM_STEPS // 2):
+                        b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
+                                                     + 16 * kk2 + 4 * (lane // 8))
+                        a = 4 * kk2
+                        c0, c1, _, _ = mma_m16n8k16(q_hi[a], NONE, q_hi[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
+                        d0, d1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, d0, d1, ZERO, ZERO)
+                        c0, c1, _, _ = mma_m16n8k16(q_hi[a + 2], NONE, q_hi[a + 3], NONE, b2, b3, c0, c1, ZERO,
+                                                    ZERO)
+                        d0, d1, _, _ = mma_m16n8k16(q_lo[a + 2], NONE, q_lo[a + 3], NONE, b2, b3, d0, d1, ZERO,
+                                                    ZERO)
+                    s[2 * j], s[2 * j + 1] = c0 + d0, c1 + d1
+                # Keys past the context (the tail of the last page): scores -inf, weights 0; their
+                # K and V rows are zeros in shared memory (the producer never copies them).
+                valid = context - (first_page + i) * PAGE_SIZE
+                if valid < PAGE_SIZE:
+                    for e in range(4):
+                        if 8 * (e // 2) + 2 * tq + e % 2 >= valid:
+                            s[e] = NEG_INF
+                page_max = max(max(s[0], s[1]), max(s[2], s[3]))
+                page_max = max(page_max, shfl_xor(page_max, 1))  # the 4 lanes of a quad hold one row
+                page_max = max(page_max, shfl_xor(page_max, 2))
                 new_max = max(running_max, page_max)
                 correction = math.exp2(running_max - new_max)  # 0 on the first page (-inf)
-                running_sum *= correction
-                for d in range(DIMS_PER_LANE):
-                    acc[d] *= correction
-                for row in range(PAGE_SIZE):
-                    if row < rows:
-                        weight = math.exp2(scores[row] - new_max)
-                        running_sum += weight
-                        for c in range(CHUNKS):
-                            v0, v1 = half2_to_float2(v_ring[stage, row, 32 * c + lane])
-                            acc[2 * c] += weight * v0
-                            acc[2 * c + 1] += weight * v1
                 running_max = new_max
-                mbarrier_arrive(empty, stage)  # this lane has read the stage; it may be refilled
+                running_sum *= correction
+                for d in range(O_FLOATS):
+                    acc[d] *= correction
+                for e in range(4):
+                    s[e] = math.exp2(s[e] - new_max)
+                    running_sum += s[e]
+                # O += P V: the S accumulators of the two key n tiles are the A fragment of one
+                # 16-key k step (rows gid + 8 zero). Lane 8m + r points at key row 8 (m % 2) + r,
+                # dims 16 jp + 8 (m // 2): transposed, matrices 0, 1 are b0, b1 of dim n tile 2 jp,
+                # matrices 2, 3 those of n tile 2 jp + 1.
+                p0_hi, p0_lo = split_hi_lo(s[0], s[1])
+                p1_hi, p1_lo = split_hi_lo(s[2], s[3])
+                for jp in range(DIM_NTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(words, V_RING + base + (8 * ((lane // 8) % 2) + lane % 8)
+                                                       * SMEM_ROW_WORDS + 8 * jp + 4 * (lane // 16))
+                    o = 4 * jp
+                    acc[o], acc[o + 1], _, _ = mma_m16n8k16(p0_hi, NONE, p1_hi, NONE, b0, b1, acc[o], acc[o + 1],
+                                                            ZERO, ZERO)
+                    acc[o], acc[o + 1], _, _ = mma_m16n8k16(p0_lo, NONE, p1_lo, NONE, b0, b1, acc[o], acc[o + 1],
+                                                            ZERO, ZERO)
+                    acc[o + 2], acc[o + 3], _, _ = mma_m16n8k16(p0_hi, NONE, p1_hi, NONE, b2, b3, acc[o + 2],
+                                                                acc[o + 3], ZERO, ZERO)
+                    acc[o + 2], acc[o + 3], _, _ = mma_m16n8k16(p0_lo, NONE, p1_lo, NONE, b2, b3, acc[o + 2],
+                                                                acc[o + 3], ZERO, ZERO)
+                mbarrier_arrive(empty, stage)  # this lane's reads of the stage are done
+                i += consumers
 
-            if num_pages > 0:
-                if lane == 0:
-                    part_max[head, split] = running_max
-                    part_sum[head, split] = running_sum
-                for c in range(CHUNKS):
+            running_sum += shfl_xor(running_sum, 1)
+            running_sum += shfl_xor(running_sum, 2)
+            if gid < GROUP:
+                slot = warp * GROUP + gid
+                for j in range(DIM_NTILES):
                     for e in range(2):
-                        part_acc[head, split, 64 * c + 2 * lane + e] = acc[2 * c + e]
+                        floats[P_ACC + slot * head_dim + 8 * j + 2 * tq + e] = acc[2 * j + e]
+                if tq == 0:
+                    floats[P_MAX + slot] = running_max
+                    floats[P_SUM + slot] = running_sum
+        launch_dependents()
+        cuda.syncthreads()
+
+        # This split's partial per head: the consumers' (max, sum, acc) rescaled to their common max.
+        # A consumer without pages has max -inf: weight 0.
+        if num_pages > 0:
+            for o in range(tid, GROUP * head_dim, THREADS):
+                row, dim = o // head_dim, o % head_dim
+                merged_max = NEG_INF
+                for w in range(consumers):
+                    merged_max = max(merged_max, floats[P_MAX + w * GROUP + row])
+                value, total = ZERO, ZERO
+                for w in range(consumers):
+                    weight = math.exp2(floats[P_MAX + w * GROUP + row] - merged_max)
+                    value += floats[P_ACC + (w * GROUP + row) * head_dim + dim] * weight
+                    total += floats[P_SUM + w * GROUP + row] * weight
+                slot = (kv_head * GROUP + row) * num_splits + split
+                part_acc[slot * head_dim + dim] = value
+                if dim == 0:
+                    part_max[slot] = merged_max
+                    part_sum[slot] = total
 
         # Publish the partials GPU-wide, then count this block in; the last of the KV head's
         # blocks to arrive sees every other block's partials.
         cuda.threadfence()
         cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == NUM_SPLITS - 1
+        if tid == 0:
+            last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == num_splits - 1
         cuda.syncthreads()
-        if last_block[0] == 0 or warp == PRODUCER_WARP:
+        if last_block[0] == 0:
             return
         cuda.threadfence()
-        if cuda.threadIdx.x == 0:
+        if tid == 0:
             arrivals[kv_head] = 0  # every block of this launch has counted; ready for the next
 
-        head = kv_head * GROUP + warp
-        active_splits = (pages_used + pages_per_split - 1) // pages_per_split
-        merged_max = NEG_INF
-        for s in range(active_splits):
-            merged_max = max(merged_max, part_max[head, s])
-        merged_sum = ZERO
-        merged = cuda.local.array(DIMS_PER_LANE, types.float32)
-        for d in range(DIMS_PER_LANE):
-            merged[d] = ZERO
-        for s in range(active_splits):
-            weight = math.exp2(part_max[head, s] - merged_max)
-            merged_sum += part_sum[head, s] * weight
-            for c in range(CHUNKS):
-                for e in range(2):
-                    merged[2 * c + e] += part_acc[head, s, 64 * c + 2 * lane + e] * weight
-        for c in range(CHUNKS):
-            for e in range(2):
-                out[head * HEAD_DIM + 64 * c + 2 * lane + e] = merged[2 * c + e] / merged_sum
+        active = (pages_used + pages_per_split - 1) // pages_per_split
+        for o in range(tid, GROUP * active, THREADS):
+            row, sp = o // active, o % active
+            slot = (kv_head * GROUP + row) * num_splits + sp
+            floats[S_MAX + row * num_splits + sp] = ld_global_cg_f32(part_max, slot)
+            floats[S_SUM + row * num_splits + sp] = ld_global_cg_f32(part_sum, slot)
+        cuda.syncthreads()
+        # Each split's weight in the merged softmax, with the normaliser folded in (a warp a head).
+        for row in range(warp, GROUP, WARPS):
+            merged_max = NEG_INF
+            for sp in range(lane, active, 32):
+                merged_max = max(merged_max, floats[S_MAX + row * num_splits + sp])
+            merged_max = warp_max(merged_max)
+            total = ZERO
+            for sp in range(lane, active, 32):
+                total += floats[S_SUM + row * num_splits + sp] * math.exp2(floats[S_MAX + row * num_splits + sp]
+                                                                           - merged_max)
+            inverse = np.float32(1.0) / warp_sum(total)
+            for sp in range(lane, active, 32):
+                at = S_MAX + row * num_splits + sp
+                floats[at] = math.exp2(floats[at] - merged_max) * inverse
+        cuda.syncthreads()
+        values = cuda.local.array((MERGE_UNROLL, 4), types.float32)
+        weights = cuda.local.array(MERGE_UNROLL, types.float32)
+        for o in range(tid, GROUP * DIM_QUADS, THREADS):
+            row, quad = o // DIM_QUADS, o % DIM_QUADS
+            head = kv_head * GROUP + row
+            merged = cuda.local.array(4, types.float32)
+            for e in range(4):
+                merged[e] = ZERO
+            for first in range(0, active, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):  # all loads first: MERGE_UNROLL round trips at once
+                    sp = min(first + u, active - 1)  # past the end: re-read the last split, weight 0
+                    weights[u] = floats[S_MAX + row * num_splits + sp] if first + u < active else ZERO
+                    values[u, 0], values[u, 1], values[u, 2], values[u, 3] = ld_global_cg_v4_f32(
+                        part_acc, (head * num_splits + sp) * head_dim + 4 * quad)
+                for u in range(MERGE_UNROLL):
+                    for e in range(4):
+                        merged[e] += values[u, e] * weights[u]
+            for e in range(4):
+                out[head * head_dim + 4 * quad + e] = merged[e]
 
     return decode_attention
 
@@ -245,16 +397,19 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages):
 class DecodeAttention:
     """The decode-attention kernel for one attention shape, with its split workspace."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int,
-                 num_splits: int, stages: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, num_splits: int,
+                 stages: int, consumers: int, min_pages_per_split: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_pages, self.num_splits, self.stages = max_pages, num_splits, stages
-        self.kernel = _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages)
+        self.kernel = _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers,
+                                    min_pages_per_split)
         self.grid = (num_kv_heads, num_splits)
-        self.block = 32 * (num_heads // num_kv_heads + 1)
-        self.part_max = cuda.device_array((num_heads, num_splits), np.float32)
-        self.part_sum = cuda.device_array((num_heads, num_splits), np.float32)
-        self.part_acc = cuda.device_array((num_heads, num_splits, head_dim), np.float32)
+        self.block = 32 * (consumers + 1)
+        self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, num_splits, stages,
+                                          consumers)["bytes"]
+        self.part_max = cuda.device_array(num_heads * num_splits, np.float32)
+        self.part_sum = cuda.device_array(num_heads * num_splits, np.float32)
+        self.part_acc = cuda.device_array(num_heads * num_splits * head_dim, np.float32)
         self.arrivals = cuda.to_device(np.zeros(num_kv_heads, np.int32))  # the kernel resets it
 
     def launch(self, stream, q, k_pages, v_pages, page_table, pos, out) -> None:
@@ -268,23 +423,25 @@ class DecodeAttention:
                     "page_table": (page_table.shape, (self.max_pages,)),
                     "out": (out.shape, (self.num_heads * self.head_dim,))}
         for name, (shape, wanted) in expected.items():
-            if shape != wanted:
-                raise ValueError(f"decode attention: {name} has shape {shape}, expected {wanted}")
-        self.kernel[self.grid, self.block, stream](q, k_pages, v_pages, page_table, pos, out,
-                                                   self.part_max, self.part_sum, self.part_acc,
-                                                   self.arrivals)
+            if tuple(shape) != wanted:
+                raise ValueError(f"decode attention: {name} has shape {tuple(shape)}, expected {wanted}")
+        launch(self.kernel, self.grid, self.block, stream,
+               (q, k_pages, v_pages, page_table, pos, out, self.part_max, self.part_sum, self.part_acc,
+                self.arrivals), shared_bytes=self.shared_bytes)
 
 
 def compile_targets() -> list[CompileTarget]:
     """The 7B shape (28 q heads over 4 KV heads, head_dim 128, 33 splits) and the simulator test's."""
     pages = types.float16[:, :, :, ::1]
+    flat = types.float32[::1]
     signature = types.void(types.float32[:, ::1], pages, pages, types.int32[::1], types.int32[::1],
-                           types.float16[::1], types.float32[:, ::1], types.float32[:, ::1],
-                           types.float32[:, :, ::1], types.int32[::1])
+                           types.float16[::1], flat, flat, flat, types.int32[::1])
     must_contain = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                     "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
-                    "shfl.sync.bfly.b32", "ex2.approx.f32")
-    return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits, {stages} stages]",
-                          _build_kernel(heads, kv_heads, head_dim, splits, stages), signature, must_contain)
-            for heads, kv_heads, head_dim, splits, stages in ((28, 4, 128, default_num_splits(4), STAGES),
-                                                              (4, 2, 64, 3, 2))]
+                    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ld.global.cg.v4.f32", "ex2.approx.f32",
+                    "griddepcontrol.wait")
+    return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits]",
+                          _build_kernel(heads, kv_heads, head_dim, splits, STAGES, CONSUMERS, MIN_PAGES_PER_SPLIT),
+                          signature, must_contain)
+            for heads, kv_heads, head_dim, splits in ((28, 4, 128, default_num_splits(4, 132)), (4, 2, 64, 3))]

@@ -18,6 +18,8 @@ import functools
 from numba import cuda, float32
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from . import CompileTarget
 
 THREADS = 128
@@ -27,6 +29,8 @@ THREADS = 128
 def _embedding_kernel(hidden_size: int):
     @cuda.jit
     def embedding(table, tokens, pos, h):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         i = cuda.grid(1)
         if i < hidden_size:
             h[i] = float32(table[tokens[pos[0]], i])
@@ -43,7 +47,7 @@ class Embedding:
 
     def launch(self, stream, table, tokens, pos, h) -> None:
         """table float16 [vocab, hidden], tokens int32 [>= pos + 1], pos int32 [1] -> h float32 [hidden]."""
-        self.kernel[self.grid, THREADS, stream](table, tokens, pos, h)
+        launch(self.kernel, self.grid, THREADS, stream, (table, tokens, pos, h))
 
 
 def make_embedding(hidden_size: int) -> Embedding:

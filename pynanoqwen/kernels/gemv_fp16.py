@@ -5,8 +5,8 @@ lm_head is tied to the FP16 embedding table (then W *is* the engine's embedding 
 copy). At 7B that is 152064 x 3584 x 2 B = 1.09 GB per token, 3.6x the INT4 lm_head: the kernel
 only has to stream it at memory speed, with float32 accumulation.
 
-Launch shape: 256 threads (8 warps) per block, each warp owns R consecutive rows (R = 4, 2 or 1,
-the INT4 GEMV's policy, `gemv_int4.default_rows_per_warp`). Lane L reads 16-byte chunks
+Launch shape: 256 threads (8 warps) per block, each warp owns R consecutive rows (R = 4 when that
+still gives an H200's 132 SMs 16 warps each, else 2 or 1: `default_rows_per_warp`). Lane L reads 16-byte chunks
 c = L, L + 32, ... of its rows (8 weights each, `ld.global.nc.v4.u32`: a warp step reads 512
 contiguous bytes per row), unpacks the half2 words to float32 and multiplies by x, staged once
 per block in shared memory as float32. Chunk c's inputs 8c .. 8c+7 sit at xs[9c .. 9c+7] (one
@@ -25,14 +25,23 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.warp import warp_sum
 from . import CompileTarget, on_device
-from .gemv_int4 import default_rows_per_warp
 
 WARPS_PER_BLOCK = 8
 THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
+TARGET_WARPS = 132 * 16  # 4 rows per warp only while the matrix still fills an H200 with 16 warps an SM
+
+
+def default_rows_per_warp(n: int) -> int:
+    for rows in (4, 2):
+        if n % rows == 0 and n // rows >= TARGET_WARPS:
+            return rows
+    return 1
 
 
 @functools.cache
@@ -46,6 +55,8 @@ def gemv_fp16_kernel(n: int, k: int, rows: int):
     @cuda.jit
     def gemv_fp16(weight_words, x, out):
         xs = cuda.shared.array(padded_k, float32)
+        launch_dependents()
+        grid_dependency_wait()  # x is the previous kernel's output (launch.py)
         for e in range(cuda.threadIdx.x, k, THREADS_PER_BLOCK):
             xs[e + e // 8] = float32(x[e])
         cuda.syncthreads()
@@ -92,7 +103,7 @@ class Fp16Gemv:
 
     def launch(self, stream, x, out) -> None:
         """out[N] = W x; x float16 [K], out float32 [N], both on the device."""
-        self.kernel[self.grid, THREADS_PER_BLOCK, stream](self.weight_words, x, out)
+        launch(self.kernel, self.grid, THREADS_PER_BLOCK, stream, (self.weight_words, x, out))
 
 
 def make_gemv_fp16(n: int, k: int, weight, *, rows_per_warp: int | None = None) -> Fp16Gemv:

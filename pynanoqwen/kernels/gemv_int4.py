@@ -16,35 +16,52 @@ layout; `--gemv prmt|dp4a` picks one and the benchmark settles which wins on Hop
   `dp4a.s32.s32` in exact integer arithmetic, and one FP32 multiply-add per 32 inputs. Its error is
   the INT8 rounding of x (|x - q s| <= s/2, s = max|x| / 127 over the group).
 
-Launch shape: 256 threads (8 warps) per block, one block per 8 * R rows. Each warp owns R
-consecutive rows (R = rows_per_warp, 1, 2 or 4); lane L handles 16-byte chunks c = L, L + 32, ...
-of those rows (chunk c = inputs 32c .. 32c+31 = words 4c .. 4c+3 of a row), so one step of the
-warp reads 512 contiguous bytes of each of its R rows (coalesced, R 16-byte loads in flight per
-lane) and the activations it loads from shared memory serve R rows. The group scale of chunk c is
-scales[n, c // 4]. Lane partial sums meet in a warp_sum; lane r stores row r (epilogue).
+Work split (`GemvPlan`). A "tile" is R consecutive rows (of each matrix: gate/up read R rows of
+both). The grid is persistent: at most `blocks_per_sm` blocks of `warps` warps per SM, and warp w
+of the grid computes tiles w, w + W_total, w + 2 W_total, ... (W_total warps in all), so a block
+stages x once and then streams weights for its whole life instead of for 3-4 loads. Lane L of a
+warp takes 16-byte chunks c = L, L + 32, ... of its tile's rows (chunk c = inputs 32c .. 32c+31 =
+words 4c .. 4c+3 of a row): one step of the warp reads 512 contiguous bytes of each of the R rows.
+A lane's steps over all its tiles form one sequence of items (tile, step), and the lane keeps the
+next `depth` items' loads in flight: item i + depth is requested right after item i is computed,
+across tile boundaries, so the weight stream does not pause between tiles. Each item's loads are
+R (x matrices) 16-byte words and the R group scales of its chunk; the scales ride in the same
+pipeline, because a scale read at compute time would stall the lane for a DRAM round trip at the
+start of every tile. At a tile's last step the lane partial sums meet in a warp_sum; lane r stores
+row r (epilogue). Slots are separate local arrays named at compile time (depth <= 4), so they stay
+in registers.
 
-Activations live in shared memory, staged once per block, laid out so that the 32 lanes' reads of
-one step hit 32 different banks (the 331 GB/s GEMV of ../shared/GPU-NOTES.md had a 32-way
-conflict): prmt path: half2 word i (0..15) of chunk c sits at xs[i * xs_stride + c]; dp4a path: the
-quantizer writes the INT8 words already in that order, xq[j * K/32 + c], copied as is.
-xs_stride = K/32 rounded up to 2 mod 8 also keeps the staging stores (one 16-byte load of x per
-thread, scattered to 4 rows of the layout) free of conflicts.
+Programmatic dependent launch (ptx/griddep.py, launch.py): the weights do not depend on the kernel
+before this one, so every lane issues its first `depth` items' loads before it waits
+(grid_dependency_wait) for the activations: the loads are in flight while the previous kernel's
+tail drains. A thread signals launch_dependents once it has issued its last load, so the next
+kernel starts requesting its own weights while this one finishes.
 
-Memory traffic per call (`gemv_bytes`): N*K/2 bytes of qweight + N*K/64 of scales + 2K of x
-(each block re-reads x, from L2). At the H200's ~4.3 TB/s that is, for the 7B shapes:
-qkv 4608x3584 8.5 MB 2.0 us, o_proj 3584x3584 6.6 MB 1.5 us, gate+up 2 x 18944x3584 70.0 MB
-16.3 us, down 3584x18944 35.0 MB 8.2 us, INT4 lm_head 152064x3584 281 MB 65 us; per decode step
-(28 layers + lm_head) 3.65 GB, 0.85 ms: ~1180 tokens/s is the GEMVs' ceiling. Measured: not yet
-(tests/test_gemv_gpu.py prints GB/s per shape, path and rows per warp).
+Activations live in shared memory, staged once per block with every copy in flight at once
+(cp.async; with a fused norm, all of h's loads first): one L2 round trip. prmt path: chunk c's 16 half2 words sit
+at xs[20 c .. 20 c + 15] (64 bytes used of 80), read as four `ld.shared.v4`: a quarter-warp's 8
+lanes read 8 chunks 80 bytes apart, which fall in 8 disjoint groups of 4 banks (no conflict; a
+64-byte stride would put 4 lanes on one bank group). dp4a path: the quantizer writes the INT8
+words already in the order the GEMV reads them, xq[j * K/32 + c], copied as is (32 lanes read 32
+consecutive words).
+
+Memory traffic per call (`gemv_bytes`): N*K/2 bytes of qweight + N*K/64 of scales + 2K of x.
+At the H200's ~4.3 TB/s that is, for the 7B shapes: qkv 4608x3584 8.5 MB 2.0 us, o_proj 3584x3584
+6.6 MB 1.5 us, gate+up 2 x 18944x3584 70.0 MB 16.3 us, down 3584x18944 35.0 MB 8.2 us, INT4
+lm_head 152064x3584 281 MB 65 us; per decode step (28 layers + lm_head) 3.65 GB, 0.85 ms. What
+each shape reaches, standalone and in the decode step: docs/PERFORMANCE.md.
+
+Fused RoPE and KV write (the decode step's QKV, `rope_heads=`, `launch_rope`): tile t is the row
+pair (d, d + head_dim/2) of one head instead of two consecutive rows, so the warp that finishes it
+holds both elements RoPE rotates together; lane 0 adds the bias, rotates a q pair into q, a k
+pair into the position's KV-page slot (float16), and copies a v pair there (kernels/rope_kv_write.py
+does the same for prefill rows). One launch and one kernel boundary per layer fewer.
 
 Fused RMSNorm (prmt path): built with norm_weight / norm_eps, the kernel takes the float32
 residual stream h instead of x and stages xn = float16(h * rsqrt(mean h^2 + eps) * weight), the
-same float32 expression as kernels/rmsnorm.py: each block sums h^2 over all K (14 KiB from L2 at
-K 3584, while its first weight loads are in flight; warp_sum + one syncthreads), then converts
-pairs with `cvt.rn.f16x2.f32` into the layout above. That removes the separate norm launch
-(3.27 us each, 57 a step, measured) for ~0.3-0.5 us more per fused GEMV (predicted, not yet
-measured): ~150 us a step. The dp4a path runs kernels/rmsnorm.py into its own float16
-workspace first (same launches as before).
+same float32 expression as kernels/rmsnorm.py: each block sums h^2 over all K (from L2, while its
+first weight loads are in flight), then converts pairs with `cvt.rn.f16x2.f32` into the layout
+above. The dp4a path runs kernels/rmsnorm.py into its own float16 workspace first.
 
 API (the engine builds these once per layer, at load):
 
@@ -57,13 +74,14 @@ API (the engine builds these once per layer, at load):
     qkv.launch(stream, h, out)                   # x = RMSNorm(h) * w, h float32 [K]
 
 Weights and bias (float16 [N]) may be numpy arrays (copied to the device once) or device arrays
-(used in place). Both factories take `rows_per_warp=` (default: `default_rows_per_warp(n)`). On the
+(used in place). Both factories take `plan=` (default: `default_plan(n, k, matrices)`). On the
 dp4a path each object owns its INT8 workspace and `launch` runs two kernels, quantizer then GEMV.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -72,25 +90,61 @@ from numba import cuda, float32, int32, uint32
 from numba.core import types
 
 from ..config import GROUP_SIZE
+from ..launch import launch, multiprocessor_count
+from ..ptx import SIMULATOR
 from ..ptx.dp4a import dp4a
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
+from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
 from ..ptx.prmt import prmt
 from ..ptx.warp import warp_sum
 from . import CompileTarget, on_device
+from .page_alloc import PAGE_SIZE
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
 PATHS = ("prmt", "dp4a")
-WARPS_PER_BLOCK = 8
-THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
 CHUNKS_PER_GROUP = GROUP_SIZE // 32  # 16-byte weight chunks (32 inputs) sharing one scale
+CHUNK_STRIDE = 20  # shared words between consecutive chunks' activations on the prmt path (16 used)
+MAX_DEPTH = 4  # pipeline slots a kernel can have (each one a named local array)
 
-# Rows per warp: 4 (2 per matrix for gate/up) when the matrix still gives every SM of an H200
-# (132) at least 16 warps that way, else fewer: more rows mean more loads in flight per lane and
-# fewer shared-memory reads per weight, fewer rows mean more warps for small matrices.
-TARGET_WARPS = 132 * 16
-MAX_LOADS_PER_STEP = 4  # rows x matrices; gate/up at 2 x 4 rows took 128 registers
+
+@dataclasses.dataclass(frozen=True)
+class GemvPlan:
+    """How a GEMV splits its work (module docstring): R rows per tile, `depth` items in flight per
+    lane, `warps` per block, at most `blocks_per_sm` blocks per SM (also the launch bound that caps
+    registers at 65536 / (32 warps blocks_per_sm))."""
+
+    rows: int = 1
+    depth: int = 4
+    warps: int = 8
+    blocks_per_sm: int = 2
+
+    def check(self, n: int) -> None:
+        if self.rows not in (1, 2, 4) or n % self.rows:
+            raise ValueError(f"rows={self.rows} must be 1, 2 or 4 and divide N={n}")
+        if not 1 <= self.depth <= MAX_DEPTH or not 1 <= self.warps <= 32 or self.blocks_per_sm < 1:
+            raise ValueError(f"{self}: depth 1..{MAX_DEPTH}, warps 1..32, blocks_per_sm >= 1")
+
+    def grid(self, n: int, sm_count: int) -> int:
+        """Blocks of the persistent grid. Each warp computes `rounds` tiles (or one fewer), the
+        fewest that at most blocks_per_sm blocks per SM allow; the grid is then as small as that
+        leaves it, so no warp has a whole extra tile to do while others idle (3584 down_proj rows
+        on 2112 warps took 2 rounds on 1472 of them and 1 on the rest)."""
+        tiles = n // self.rows
+        rounds = -(-tiles // (self.blocks_per_sm * sm_count * self.warps))
+        return max(1, -(-(-(-tiles // rounds)) // self.warps))
+
+
+ROPE_PLAN = GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=1)  # QKV with RoPE: row pairs (d, d + head_dim/2)
+
+
+def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
+    """The plan the engine uses for an N x K linear (`matrices` 2 for gate/up): 8 loads of 16
+    bytes in flight per lane, 16 warps per SM (docs/PERFORMANCE.md has the sweep behind it)."""
+    rows = 1 if matrices == 2 or n < 8192 else 2
+    return GemvPlan(rows=rows, depth=min(MAX_DEPTH, 8 // (rows * matrices)))
 
 
 def _half2(value: float) -> np.uint32:
@@ -128,115 +182,112 @@ def dot8_prmt(word, x01, x23, x45, x67, acc):
     return acc
 
 
-# What one path contributes to a kernel: the shared-memory words it stages activations into,
-# stage(activations, xs) (ends with syncthreads), and multiply(words, scales, row0, c, activations,
-# xs, acc), which adds chunk c of rows row0 .. row0+R-1 (already loaded into words[4r .. 4r+3] by
-# load_rows) times x into acc[0 .. R-1]. `activations` is a tuple: (x_pairs,) on the prmt path,
-# (xq, x_scale, x_offset) on the dp4a path.
+# What one path contributes to a kernel: the shared-memory words it stages activations into;
+# stage(activations, xs) (ends with syncthreads); load_x(xs, c, xv), chunk c's activation words
+# into the local array xv; and multiply(words, w0, scl, s0, c, activations, xv, acc, a0), which
+# adds chunk c of R rows (their words at words[w0 + 4r ..], their scales at scl[s0 + r]) times x
+# into acc[a0 + r]. `activations` is a tuple: (x_pairs,) on the prmt path, (h, norm weight pairs)
+# with a fused norm, (xq, x_scale, x_offset) on the dp4a path.
 #
 # Index arithmetic is uint32 throughout, constants included: Numba computes a signed index in
 # int64 and guards every array access against Python's negative indices (a compare and a select
 # each), which was 30 of the 383 PTX instructions of the prmt loop at 4 rows per warp.
-_Path = collections.namedtuple("_Path", "shared_words stage multiply")
+_Path = collections.namedtuple("_Path", "shared_words stage load_x multiply")
 U = np.uint32  # to spell unsigned constants in kernels
 
 
 @functools.cache
-def _load_rows(k: int, rows: int):
-    words_per_row = U(k // 8)
+def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -> _Path:
+    """The prmt path; with norm_eps, x is RMSNorm(h) * weight, computed while staging (below)."""
+    quads = U(k // 8)  # 16-byte pieces of x: quad q = half2 words 4q .. 4q+3 = words 4(q%4).. of chunk q//4
+    warps = threads // 32
 
     @cuda.jit(device=True, inline="always")
-    def load_rows(qweight, row0, c, words):
-        """Chunk c (16 bytes) of rows row0 .. row0+R-1 into words[4r .. 4r+3]: R loads in flight."""
-        for r in range(rows):
-            words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = ld_global_nc_v4_u32(
-                qweight, (row0 + U(r)) * words_per_row + U(4) * c)
-
-    return load_rows
-
-
-@functools.cache
-def _prmt_path(k: int, rows: int, norm_eps: float | None = None) -> _Path:
-    """The prmt path; with norm_eps, x is RMSNorm(h) * weight, computed while staging (below)."""
-    xs_stride = U(k // 32 + (2 - k // 32) % 8)
-    groups = U(k // GROUP_SIZE)
-    quads = U(k // 8)  # 16-byte pieces of x
+    def quad_slot(q):
+        return U(CHUNK_STRIDE) * (q // U(4)) + U(4) * (q % U(4))
 
     @cuda.jit(device=True, inline="always")
     def stage_x(activations, xs):
+        # cp.async, all copies of this thread in flight together: the block waits one L2 round
+        # trip for x, not one per loop iteration (a load-then-store loop staged the 37 KiB x of
+        # down_proj in ~10 us on the H200).
         x_pairs = activations[0]
         q = U(cuda.threadIdx.x)
-        while q < quads:  # quad q = half2 words 4q .. 4q+3 = words 4(q%4) .. of chunk q//4
-            p0, p1, p2, p3 = ld_global_nc_v4_u32(x_pairs, U(4) * q)
-            at = U(4) * (q % U(4)) * xs_stride + q // U(4)
-            xs[at] = p0
-            xs[at + xs_stride] = p1
-            xs[at + U(2) * xs_stride] = p2
-            xs[at + U(3) * xs_stride] = p3
-            q += U(THREADS_PER_BLOCK)
+        while q < quads:
+            cp_async_16(xs, quad_slot(q), x_pairs, U(4) * q, U(16))
+            q += U(threads)
+        cp_async_commit_group()
+        cp_async_wait_group(0)
         cuda.syncthreads()
 
     inv_k = np.float32(1.0 / k)
     eps = np.float32(0.0 if norm_eps is None else norm_eps)
 
-    @cuda.jit(device=True, inline="always")
-    def normed_pair(h, i, scale, weight_pair):
-        """The half2 (xn[i], xn[i+1]), xn = float16(h * scale * weight) exactly as kernels/rmsnorm.py."""
-        w0, w1 = half2_to_float2(weight_pair)
-        return float2_to_half2(h[i] * scale * w0, h[i + U(1)] * scale * w1)
+    quads_per_thread = -(-(k // 8) // threads)
+    values_per_thread, weight_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
 
     @cuda.jit(device=True, inline="always")
     def stage_normed(activations, xs):
-        # The RMSNorm that used to be its own kernel (3.3 us a launch, 57 launches a step): every
-        # block sums h^2 itself (K float32 from L2, while its first weights are in flight), then
-        # writes xn = h * rsqrt(mean h^2 + eps) * weight into the same layout as stage_x.
+        # The RMSNorm that used to be its own kernel: every block sums h^2 itself (K float32 from
+        # L2), then writes xn = h * rsqrt(mean h^2 + eps) * weight into the same layout as stage_x.
+        # Each thread loads all of its quads of h and of the weight first (one L2 round trip),
+        # keeps them in registers across the block reduction, then converts and stores them.
         h, weight_pairs = activations
-        warp_totals = cuda.shared.array(WARPS_PER_BLOCK, float32)
+        warp_totals = cuda.shared.array(32, float32)
         t = U(cuda.threadIdx.x)
+        values = cuda.local.array(values_per_thread, float32)
+        weights = cuda.local.array(weight_words_per_thread, uint32)
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                for e in range(8):
+                    values[8 * j + e] = h[U(8) * q + U(e)]
+                weights[4 * j], weights[4 * j + 1], weights[4 * j + 2], weights[4 * j + 3] = \
+                    ld_global_nc_v4_u32(weight_pairs, U(4) * q)
         total = float32(0)
-        i = t
-        while i < U(k):
-            total += h[i] * h[i]
-            i += U(THREADS_PER_BLOCK)
+        for j in range(quads_per_thread):
+            if t + U(j * threads) < quads:
+                for e in range(8):
+                    total += values[8 * j + e] * values[8 * j + e]
         total = warp_sum(total)
         if t % U(32) == U(0):
             warp_totals[t // U(32)] = total
         cuda.syncthreads()
         total = float32(0)
-        for w in range(WARPS_PER_BLOCK):
+        for w in range(warps):
             total += warp_totals[w]
         scale = float32(1) / math.sqrt(total * inv_k + eps)
-        q = t
-        while q < quads:  # quad q = inputs 8q .. 8q+7, as in stage_x
-            w0, w1, w2, w3 = ld_global_nc_v4_u32(weight_pairs, U(4) * q)
-            at = U(4) * (q % U(4)) * xs_stride + q // U(4)
-            xs[at] = normed_pair(h, U(8) * q, scale, w0)
-            xs[at + xs_stride] = normed_pair(h, U(8) * q + U(2), scale, w1)
-            xs[at + U(2) * xs_stride] = normed_pair(h, U(8) * q + U(4), scale, w2)
-            xs[at + U(3) * xs_stride] = normed_pair(h, U(8) * q + U(6), scale, w3)
-            q += U(THREADS_PER_BLOCK)
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                at = quad_slot(q)
+                for e in range(4):
+                    w0, w1 = half2_to_float2(weights[4 * j + e])
+                    xs[at + U(e)] = float2_to_half2(values[8 * j + 2 * e] * scale * w0,
+                                                    values[8 * j + 2 * e + 1] * scale * w1)
         cuda.syncthreads()
 
-    stage = stage_x if norm_eps is None else stage_normed
+    @cuda.jit(device=True, inline="always")
+    def load_x(xs, c, xv):
+        for j in range(4):
+            xv[4 * j], xv[4 * j + 1], xv[4 * j + 2], xv[4 * j + 3] = \
+                ld_shared_v4_u32(xs, U(CHUNK_STRIDE) * c + U(4 * j))
 
     @cuda.jit(device=True, inline="always")
-    def multiply(words, scales, row0, c, activations, xs, acc):
+    def multiply(words, w0, scl, s0, c, activations, xv, acc, a0):
         for r in range(rows):
             h = U(0)  # half2 (0, 0)
             for w in range(4):
-                x = U(4 * w) * xs_stride + c
-                h = dot8_prmt(words[4 * r + w], xs[x], xs[x + xs_stride], xs[x + U(2) * xs_stride],
-                              xs[x + U(3) * xs_stride], h)
+                h = dot8_prmt(words[w0 + 4 * r + w], xv[4 * w], xv[4 * w + 1], xv[4 * w + 2], xv[4 * w + 3], h)
             lo, hi = half2_to_float2(h)
-            acc[r] += float32(scales[(row0 + U(r)) * groups + c // U(CHUNKS_PER_GROUP)]) * (lo + hi)
+            acc[a0 + r] += float32(scl[s0 + r]) * (lo + hi)
 
-    return _Path(16 * int(xs_stride), stage, multiply)
+    return _Path(CHUNK_STRIDE * (k // 32), stage_x if norm_eps is None else stage_normed, load_x, multiply)
 
 
 @functools.cache
-def _dp4a_path(k: int, rows: int) -> _Path:
+def _dp4a_path(k: int, rows: int, threads: int) -> _Path:
     chunks = U(k // 32)
-    groups = U(k // GROUP_SIZE)
     quads = U(k // 16)  # 16-byte pieces of xq
 
     @cuda.jit(device=True, inline="always")
@@ -244,153 +295,247 @@ def _dp4a_path(k: int, rows: int) -> _Path:
         xq = activations[0]
         q = U(cuda.threadIdx.x)
         while q < quads:  # the quantizer wrote xq in the order the GEMV reads it: a plain copy
-            xs[U(4) * q], xs[U(4) * q + U(1)], xs[U(4) * q + U(2)], xs[U(4) * q + U(3)] = \
-                ld_global_nc_v4_u32(xq, U(4) * q)
-            q += U(THREADS_PER_BLOCK)
+            cp_async_16(xs, U(4) * q, xq, U(4) * q, U(16))
+            q += U(threads)
+        cp_async_commit_group()
+        cp_async_wait_group(0)
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline="always")
-    def multiply(words, scales, row0, c, activations, xs, acc):
+    def load_x(xs, c, xv):
+        for j in range(8):
+            xv[j] = xs[U(j) * chunks + c]
+
+    @cuda.jit(device=True, inline="always")
+    def multiply(words, w0, scl, s0, c, activations, xv, acc, a0):
         x_scale = activations[1][c // U(CHUNKS_PER_GROUP)]
         x_offset = activations[2][c]
         for r in range(rows):
             dot = int32(0)
             for w in range(4):
-                word = words[4 * r + w]
-                dot = dp4a(word & NIBBLE_BYTES, xs[U(2 * w) * chunks + c], dot)
-                dot = dp4a((word >> U(4)) & NIBBLE_BYTES, xs[U(2 * w + 1) * chunks + c], dot)
-            weight_scale = float32(scales[(row0 + U(r)) * groups + c // U(CHUNKS_PER_GROUP)])
-            acc[r] += weight_scale * x_scale * float32(int32(dot - x_offset))
+                word = words[w0 + 4 * r + w]
+                dot = dp4a(word & NIBBLE_BYTES, xv[2 * w], dot)
+                dot = dp4a((word >> U(4)) & NIBBLE_BYTES, xv[2 * w + 1], dot)
+            acc[a0 + r] += float32(scl[s0 + r]) * x_scale * float32(int32(dot - x_offset))
 
-    return _Path(k // 4, stage, multiply)
+    return _Path(k // 4, stage, load_x, multiply)
 
 
-def _path(path: str, k: int, rows: int, norm_eps: float | None = None) -> _Path:
+def _path(path: str, k: int, rows: int, threads: int, norm_eps: float | None = None) -> _Path:
     if norm_eps is not None and path != "prmt":
         raise ValueError("only the prmt path fuses RMSNorm into its staging")
-    return _prmt_path(k, rows, norm_eps) if path == "prmt" else _dp4a_path(k, rows)
+    return _prmt_path(k, rows, threads, norm_eps) if path == "prmt" else _dp4a_path(k, rows, threads)
 
 
-@cuda.jit(device=True, inline="always")
-def first_row(rows):
-    """First of the `rows` consecutive rows this thread's warp owns."""
-    warp = U(cuda.blockIdx.x) * U(WARPS_PER_BLOCK) + U(cuda.threadIdx.x) // U(32)
-    return warp * U(rows)
-
-
-# Both kernels below run the same pipeline per warp: the weights of the lane's first chunk are
-# requested before the block stages x (their latency hides the staging), and in every step the
-# next chunk's weights are requested before this chunk's arithmetic, so each lane keeps R
-# 16-byte loads in flight the whole time. `current[i] = upcoming[i]` is register renaming once
-# the loops are unrolled (ptxas reports no local memory).
+# out = Wx; out = Wx + b; out += Wx; out = silu(Wg x) Wu x; and "rope": the QKV projection's
+# bias, RoPE and KV-cache write (module docstring), out = (q, k_pages, v_pages, page_table, pos,
+# rope_cos, rope_sin).
+EPILOGUES = ("store", "bias", "residual", "silu", "rope")
 
 
 @functools.cache
-def gemv_kernel(path: str, n: int, k: int, rows: int, bias: bool, residual: bool,
-                norm_eps: float | None = None):
-    """gemv_int4(qweight, scales, activations, bias, out) for one shape, path and epilogue.
+def gemv_kernel(path: str, n: int, k: int, matrices: int, plan: GemvPlan, grid: int, epilogue: str,
+                norm_eps: float | None = None, heads: tuple[int, int, int] | None = None):
+    """gemv_int4(q0, s0, q1, s1, activations, bias, out) for one shape, path, plan, grid and epilogue.
 
-    qweight uint32 [N*K/8] and scales float16 [N*K/128] are flat; `bias` (float16 [N]) is read
-    only when bias=True (pass any float16 array otherwise); out is float32 or float16 [N].
-    With norm_eps (prmt only), activations is (h float32 [K], norm weight as uint32 [K/2]).
+    q/s are flat qweight uint32 [N*K/8] and scales float16 [N*K/128] of matrix 0 (and 1 for
+    gate/up; pass matrix 0 again otherwise); `bias` (float16 [N]) is read by the bias and rope
+    epilogues (pass any float16 array otherwise); out is float32 or float16 [N], or for "rope"
+    (heads = (num_heads, num_kv_heads, head_dim), rows = 2) the tuple of RopeOutputs.
     """
-    shared_words, stage, multiply = _path(path, k, rows, norm_eps)
-    load_rows = _load_rows(k, rows)
+    rows, depth, warps = plan.rows, plan.depth, plan.warps
+    threads = 32 * warps
+    shared_words, stage, load_x, multiply = _path(path, k, rows, threads, norm_eps)
     chunks = U(k // 32)
-    words_in_flight = 4 * rows
+    steps = U(-(-(k // 32) // 32))  # a lane's steps over one tile (the last may leave lanes idle)
+    words_per_row = U(k // 8)
+    groups = U(k // GROUP_SIZE)
+    tiles = U(n // rows)
+    total_warps = U(grid * warps)
+    slot_words = 4 * rows * matrices
+    slot_scales = rows * matrices
+    x_words = 16 if path == "prmt" else 8
+    silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
+    num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
+    half = U(head_dim // 2)
+    k_start, v_start = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
 
-    @cuda.jit
-    def gemv_int4(qweight, scales, activations, bias_values, out):
-        xs = cuda.shared.array(shared_words, uint32)
-        current = cuda.local.array(words_in_flight, uint32)
-        upcoming = cuda.local.array(words_in_flight, uint32)
-        row0 = first_row(rows)
-        lane = U(cuda.laneid)
-        if row0 < n and lane < chunks:
-            load_rows(qweight, row0, lane, current)
-        stage(activations, xs)
-        if row0 >= n:
-            return
-        acc = cuda.local.array(rows, float32)
-        for r in range(rows):
-            acc[r] = float32(0)
-        c = lane
-        while c < chunks:
-            if c + U(32) < chunks:
-                load_rows(qweight, row0, c + U(32), upcoming)
-            multiply(current, scales, row0, c, activations, xs, acc)
-            for i in range(words_in_flight):
-                current[i] = upcoming[i]
-            c += U(32)
+    @cuda.jit(device=True, inline="always")
+    def row_of(tile, r):
+        """Row r of a tile: consecutive rows, or for rope the pair (d, d + head_dim/2) of one head,
+        so that one warp holds both elements RoPE rotates together."""
+        if rope:
+            return U(U(U(tile // half) * U(head_dim)) + U(tile % half) + U(U(r) * half))
+        return U(U(tile * U(rows)) + U(r))
+
+    # Index arithmetic. Numba widens every integer operation to 64 bits; each intermediate is
+    # wrapped in U() so that LLVM narrows it back to 32 (down_proj's loop was two thirds 64-bit
+    # adds, multiplies and a division by its 19 steps, and ran at half the speed of gate_up's).
+    # A slot's item is tracked as (tile of this warp, step in the tile), advanced without dividing.
+
+    @cuda.jit(device=True, inline="always")
+    def advance(tile, step):
+        """(tile, step) `depth` items later."""
+        step = U(step + U(depth))
+        while step >= steps:
+            step = U(step - steps)
+            tile = U(tile + U(1))
+        return tile, step
+
+    @cuda.jit(device=True, inline="always")
+    def load(q0, s0, q1, s1, warp, lane, tile, step, count, words, scl):
+        """The item (tile, step) of this lane (its tile's rows at chunk lane + 32 step) into a slot."""
+        if tile < count:
+            c = U(lane + U(U(32) * step))
+            if c < chunks:
+                for r in range(rows):
+                    row = row_of(U(warp + U(tile * total_warps)), r)
+                    at = U(U(row * words_per_row) + U(U(4) * c))
+                    scale_at = U(U(row * groups) + U(c // U(CHUNKS_PER_GROUP)))
+                    words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = ld_global_nc_v4_u32(q0, at)
+                    scl[r] = s0[scale_at]
+                    if matrices == 2:
+                        b = 4 * (rows + r)
+                        words[b], words[b + 1], words[b + 2], words[b + 3] = ld_global_nc_v4_u32(q1, at)
+                        scl[rows + r] = s1[scale_at]
+
+    @cuda.jit(device=True, inline="always")
+    def finish_rope(tile, lane, acc, bias_values, out):
+        """The QKV tile (d, d + half) of one head: + bias, then a q head is rotated into q, a k head
+        rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math)."""
+        x1 = warp_sum(acc[0])
+        x2 = warp_sum(acc[1])
+        if lane == U(0):
+            q_out, k_pages, v_pages, page_table, pos, rope_cos, rope_sin = out
+            first = row_of(tile, 0)
+            x1 += float32(bias_values[first])
+            x2 += float32(bias_values[first + half])
+            head = first // U(head_dim)
+            d = first % U(head_dim)
+            p = pos[0]
+            page, slot = page_table[p // PAGE_SIZE], p % PAGE_SIZE
+            if first < U(v_start):
+                c, sn = rope_cos[p, d], rope_sin[p, d]
+                y1, y2 = x1 * c - x2 * sn, x2 * c + x1 * sn
+                if first < U(k_start):
+                    q_out[first] = y1
+                    q_out[first + half] = y2
+                else:
+                    kv = head - U(num_heads)
+                    k_pages[page, kv, slot, d] = y1
+                    k_pages[page, kv, slot, d + half] = y2
+            else:
+                kv = head - U(num_heads + num_kv_heads)
+                v_pages[page, kv, slot, d] = x1
+                v_pages[page, kv, slot, d + half] = x2
+        for i in range(slot_scales):
+            acc[i] = float32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def finish(row0, lane, acc, bias_values, out):
+        """A tile's last step: the lane sums meet (warp_sum); lane r stores row r's epilogue."""
         for r in range(rows):
             total = warp_sum(acc[r])
-            if lane == r:  # lane r stores row r: the R stores go out together
-                if bias:
-                    total += float32(bias_values[row0 + U(r)])
-                if residual:
-                    out[row0 + U(r)] += total
+            second = float32(0)
+            if matrices == 2:
+                second = warp_sum(acc[rows + r])
+            if lane == U(r):
+                row = row0 + U(r)
+                if silu:
+                    out[row] = total / (float32(1) + math.exp(-total)) * second
+                elif residual:
+                    out[row] += total
+                elif bias:
+                    out[row] = total + float32(bias_values[row])
                 else:
-                    out[row0 + U(r)] = total
+                    out[row] = total
+        for i in range(slot_scales):
+            acc[i] = float32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def compute(warp, lane, tile, step, count, words, scl, activations, xs, xv, acc, bias_values, out):
+        """Add the item (tile, step), already in this slot, into acc; at a tile's last step, finish it."""
+        if tile < count:
+            c = U(lane + U(U(32) * step))
+            if c < chunks:
+                load_x(xs, c, xv)
+                multiply(words, 0, scl, 0, c, activations, xv, acc, 0)
+                if matrices == 2:
+                    multiply(words, 4 * rows, scl, rows, c, activations, xv, acc, rows)
+            if step == U(steps - U(1)):
+                if rope:
+                    finish_rope(U(warp + U(tile * total_warps)), lane, acc, bias_values, out)
+                else:
+                    finish(U(U(warp + U(tile * total_warps)) * U(rows)), lane, acc, bias_values, out)
+
+    # The launch bound caps registers so that blocks_per_sm blocks fit (the simulator has no such option).
+    @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, plan.blocks_per_sm)}))
+    def gemv_int4(q0, s0, q1, s1, activations, bias_values, out):
+        xs = cuda.shared.array(shared_words, uint32, alignment=SHARED_ALIGNMENT)
+        words0 = cuda.local.array(slot_words, uint32)
+        words1 = cuda.local.array(slot_words, uint32)
+        words2 = cuda.local.array(slot_words, uint32)
+        words3 = cuda.local.array(slot_words, uint32)
+        scl0 = cuda.local.array(slot_scales, types.float16)
+        scl1 = cuda.local.array(slot_scales, types.float16)
+        scl2 = cuda.local.array(slot_scales, types.float16)
+        scl3 = cuda.local.array(slot_scales, types.float16)
+        xv = cuda.local.array(x_words, uint32)
+        acc = cuda.local.array(slot_scales, float32)
+        lane = U(cuda.laneid)
+        warp = U(U(U(cuda.blockIdx.x) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
+        count = U(U(U(tiles - U(1) - warp) // total_warps) + U(1)) if warp < tiles else U(0)  # this warp's tiles
+        items = U(count * steps)
+        # Slot s starts at item s; its (tile, step) cursor then moves `depth` items a round.
+        tile0, step0 = U(0), U(0)
+        tile1, step1 = U(U(1) // steps), U(U(1) % steps)
+        tile2, step2 = U(U(2) // steps), U(U(2) % steps)
+        tile3, step3 = U(U(3) // steps), U(U(3) % steps)
+        # The weights do not depend on the kernel before this one: request them first, then wait
+        # for the activations (ptx/griddep.py).
+        load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
+        if depth >= 2:
+            load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
+        if depth >= 3:
+            load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
+        if depth >= 4:
+            load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
+        grid_dependency_wait()
+        stage(activations, xs)
+        for i in range(slot_scales):
+            acc[i] = float32(0)
+        item = U(0)
+        triggered = False
+        while item < items:
+            compute(warp, lane, tile0, step0, count, words0, scl0, activations, xs, xv, acc, bias_values, out)
+            tile0, step0 = advance(tile0, step0)
+            load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
+            if depth >= 2:
+                compute(warp, lane, tile1, step1, count, words1, scl1, activations, xs, xv, acc, bias_values, out)
+                tile1, step1 = advance(tile1, step1)
+                load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
+            if depth >= 3:
+                compute(warp, lane, tile2, step2, count, words2, scl2, activations, xs, xv, acc, bias_values, out)
+                tile2, step2 = advance(tile2, step2)
+                load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
+            if depth >= 4:
+                compute(warp, lane, tile3, step3, count, words3, scl3, activations, xs, xv, acc, bias_values, out)
+                tile3, step3 = advance(tile3, step3)
+                load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
+            item = U(item + U(depth))
+            if not triggered and U(item + U(depth)) >= items:
+                # This thread has issued its last load: the next kernel may start and request its
+                # weights while this block finishes (a trigger at the start put the next kernel's
+                # blocks beside this one's for its whole run, which measured slower).
+                launch_dependents()
+                triggered = True
+        if not triggered:
+            launch_dependents()
 
     return gemv_int4
 
 
-@functools.cache
-def gate_up_kernel(path: str, n: int, k: int, rows: int, norm_eps: float | None = None):
-    """gate_up_silu(gate_q, gate_s, up_q, up_s, activations, out): out f16 = silu(Wg x) * (Wu x)."""
-    shared_words, stage, multiply = _path(path, k, rows, norm_eps)
-    load_rows = _load_rows(k, rows)
-    chunks = U(k // 32)
-    words_in_flight = 4 * rows
-
-    @cuda.jit
-    def gate_up_silu(gate_q, gate_s, up_q, up_s, activations, out):
-        xs = cuda.shared.array(shared_words, uint32)
-        gate_current = cuda.local.array(words_in_flight, uint32)
-        gate_upcoming = cuda.local.array(words_in_flight, uint32)
-        up_current = cuda.local.array(words_in_flight, uint32)
-        up_upcoming = cuda.local.array(words_in_flight, uint32)
-        row0 = first_row(rows)
-        lane = U(cuda.laneid)
-        if row0 < n and lane < chunks:
-            load_rows(gate_q, row0, lane, gate_current)
-            load_rows(up_q, row0, lane, up_current)
-        stage(activations, xs)
-        if row0 >= n:
-            return
-        gate = cuda.local.array(rows, float32)
-        up = cuda.local.array(rows, float32)
-        for r in range(rows):
-            gate[r] = float32(0)
-            up[r] = float32(0)
-        c = lane
-        while c < chunks:
-            if c + U(32) < chunks:
-                load_rows(gate_q, row0, c + U(32), gate_upcoming)
-                load_rows(up_q, row0, c + U(32), up_upcoming)
-            multiply(gate_current, gate_s, row0, c, activations, xs, gate)
-            multiply(up_current, up_s, row0, c, activations, xs, up)
-            for i in range(words_in_flight):
-                gate_current[i] = gate_upcoming[i]
-                up_current[i] = up_upcoming[i]
-            c += U(32)
-        for r in range(rows):
-            g = warp_sum(gate[r])
-            u = warp_sum(up[r])
-            if lane == r:
-                out[row0 + U(r)] = g / (float32(1) + math.exp(-g)) * u
-
-    return gate_up_silu
-
-
-def default_rows_per_warp(n: int, matrices: int = 1) -> int:
-    for rows in (4, 2):
-        if rows * matrices <= MAX_LOADS_PER_STEP and n % rows == 0 and n // rows >= TARGET_WARPS:
-            return rows
-    return 1
-
-
-def _check(path: str, n: int, k: int, qweight, scales, rows: int) -> None:
+def _check(path: str, n: int, k: int, qweight, scales, plan: GemvPlan) -> None:
     if path not in PATHS:
         raise ValueError(f"unknown GEMV path {path!r}; choose one of {PATHS}")
     if k % GROUP_SIZE:
@@ -398,23 +543,23 @@ def _check(path: str, n: int, k: int, qweight, scales, rows: int) -> None:
     if tuple(qweight.shape) != (n, k // 8) or tuple(scales.shape) != (n, k // GROUP_SIZE):
         raise ValueError(f"qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} do not match "
                          f"N={n}, K={k}")
-    if rows not in (1, 2, 4) or n % rows:
-        raise ValueError(f"rows_per_warp={rows} must be 1, 2 or 4 and divide N={n}")
+    plan.check(n)
 
 
-class _Launcher:
-    """What both GEMV objects share: the grid, the dp4a path's INT8 workspace, the activations.
+class GemvInput:
+    """What both GEMV objects share: the grid, the activations the kernel reads, and on the dp4a
+    path the INT8 workspace.
 
     With a norm (weight float16 [K], eps) the input is the float32 residual stream h and the GEMV
     reads x = RMSNorm(h) * weight: the prmt kernel computes it while staging (one launch); the
     dp4a path runs kernels/rmsnorm.py into its own float16 workspace, then quantizes that.
     """
 
-    def __init__(self, path: str, n: int, k: int, rows: int, norm_weight=None, norm_eps=None):
+    def __init__(self, path: str, n: int, k: int, plan: GemvPlan, norm_weight=None, norm_eps=None):
         if (norm_weight is None) != (norm_eps is None):
             raise ValueError("norm_weight and norm_eps go together")
-        self.path, self.n, self.k, self.rows = path, n, k, rows
-        self.grid = -(-n // (rows * WARPS_PER_BLOCK))
+        self.path, self.n, self.k, self.plan = path, n, k, plan
+        self.grid = plan.grid(n, multiprocessor_count())
         self.int8 = Int8Activations(k) if path == "dp4a" else None
         self.norm_eps = None if norm_eps is None else float(norm_eps)
         self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
@@ -451,13 +596,20 @@ class Int4Gemv:
     """out = W x (+ bias), or out += W x, for one INT4 linear; built by make_gemv_int4."""
 
     def __init__(self, n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                 rows_per_warp=None, norm_weight=None, norm_eps=None):
-        rows = default_rows_per_warp(n) if rows_per_warp is None else rows_per_warp
-        _check(path, n, k, qweight, scales, rows)
+                 plan=None, norm_weight=None, norm_eps=None, rope_heads=None):
+        if rope_heads is not None:
+            num_heads, num_kv_heads, head_dim = rope_heads
+            plan = ROPE_PLAN if plan is None else plan
+            if plan.rows != 2 or n != (num_heads + 2 * num_kv_heads) * head_dim or bias is None or head_dim % 2:
+                raise ValueError(f"a QKV GEMV with RoPE needs rows=2 (got {plan.rows}), N = (heads + 2 kv heads) "
+                                 f"x head_dim (got {n} for {rope_heads}) and a bias")
+        plan = default_plan(n, k) if plan is None else plan
+        _check(path, n, k, qweight, scales, plan)
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
-        self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
-        self.n, self.k, self.path, self.rows_per_warp, self.out_dtype = n, k, path, rows, out_dtype
+        self.rope_heads = None if rope_heads is None else tuple(rope_heads)
+        self._input = GemvInput(path, n, k, plan, norm_weight, norm_eps)
+        self.n, self.k, self.path, self.plan, self.out_dtype = n, k, path, plan, out_dtype
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
         self.bias = None if bias is None else on_device(bias, np.float16)
@@ -468,57 +620,77 @@ class Int4Gemv:
         """The compiled-on-first-use kernel this object launches."""
         if residual and self.out_dtype != "float32":
             raise ValueError("a residual GEMV accumulates into float32")
-        return gemv_kernel(self.path, self.n, self.k, self.rows_per_warp, self.bias is not None, residual,
-                           self._launcher.kernel_norm_eps)
+        if self.rope_heads is not None:
+            return gemv_kernel(self.path, self.n, self.k, 1, self.plan, self._input.grid, "rope",
+                               self._input.kernel_norm_eps, self.rope_heads)
+        epilogue = "residual" if residual else "bias" if self.bias is not None else "store"
+        return gemv_kernel(self.path, self.n, self.k, 1, self.plan, self._input.grid, epilogue,
+                           self._input.kernel_norm_eps)
 
     def launch(self, stream, x, out, *, residual: bool = False) -> None:
         """out[N] = W x (+ bias), or out[N] += W x when residual; x float16 [K] on the device
         (with a norm: x float32 h [K], and the GEMV reads RMSNorm(h) * norm_weight)."""
+        if self.rope_heads is not None:
+            raise ValueError("this QKV GEMV applies RoPE: use launch_rope")
         kernel = self.kernel(residual)
-        activations = self._launcher.activations(stream, x)
-        bias = self.scales if self.bias is None else self.bias  # any float array when unused
-        kernel[self._launcher.grid, THREADS_PER_BLOCK, stream](self.qweight, self.scales, activations, bias, out)
+        activations = self._input.activations(stream, x)
+        bias = self.scales if self.bias is None else self.bias  # any float16 array when unused
+        launch(kernel, self._input.grid, 32 * self.plan.warps, stream,
+               (self.qweight, self.scales, self.qweight, self.scales, activations, bias, out))
+
+    def launch_rope(self, stream, x, q, k_pages, v_pages, page_table, pos, rope_cos, rope_sin) -> None:
+        """The decode step's QKV projection (built with rope_heads): qkv = W x + bias for the token at
+        position pos[0], then q float32 [num_heads, head_dim] = RoPE(q part), and that position's
+        slot of k_pages (RoPE(k part)) and v_pages (v part), float16 [pages, kv heads, 16, head_dim],
+        through page_table; rope_cos/rope_sin as kernels/rope_kv_write.rope_cos_sin."""
+        activations = self._input.activations(stream, x)
+        out = (q.reshape(q.size), k_pages, v_pages, page_table, pos, rope_cos, rope_sin)
+        launch(self.kernel(), self._input.grid, 32 * self.plan.warps, stream,
+               (self.qweight, self.scales, self.qweight, self.scales, activations, self.bias, out))
 
 
 class GateUpSilu:
     """out = silu(Wg x) * (Wu x) in float16, gate and up read in one pass; built by make_gate_up_silu."""
 
-    def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None,
+    def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", plan=None,
                  norm_weight=None, norm_eps=None):
-        rows = default_rows_per_warp(n, matrices=2) if rows_per_warp is None else rows_per_warp
-        _check(path, n, k, gate_q, gate_s, rows)
-        _check(path, n, k, up_q, up_s, rows)
-        self._launcher = _Launcher(path, n, k, rows, norm_weight, norm_eps)
-        self.n, self.k, self.path, self.rows_per_warp = n, k, path, rows
+        plan = default_plan(n, k, matrices=2) if plan is None else plan
+        _check(path, n, k, gate_q, gate_s, plan)
+        _check(path, n, k, up_q, up_s, plan)
+        self._input = GemvInput(path, n, k, plan, norm_weight, norm_eps)
+        self.n, self.k, self.path, self.plan = n, k, path, plan
         self.gate_q = on_device(gate_q, np.uint32).reshape(n * k // 8)
         self.gate_s = on_device(gate_s, np.float16).reshape(n * k // GROUP_SIZE)
         self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8)
         self.up_s = on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE)
 
     def kernel(self):
-        return gate_up_kernel(self.path, self.n, self.k, self.rows_per_warp, self._launcher.kernel_norm_eps)
+        return gemv_kernel(self.path, self.n, self.k, 2, self.plan, self._input.grid, "silu",
+                           self._input.kernel_norm_eps)
 
     def launch(self, stream, x, out) -> None:
         """out float16 [N] = silu(Wg x) * (Wu x); x float16 [K] on the device (with a norm:
         float32 h [K], as Int4Gemv.launch)."""
-        activations = self._launcher.activations(stream, x)
-        self.kernel()[self._launcher.grid, THREADS_PER_BLOCK, stream](
-            self.gate_q, self.gate_s, self.up_q, self.up_s, activations, out)
+        activations = self._input.activations(stream, x)
+        launch(self.kernel(), self._input.grid, 32 * self.plan.warps, stream,
+               (self.gate_q, self.gate_s, self.up_q, self.up_s, activations, self.gate_s, out))
 
 
 def make_gemv_int4(n, k, qweight, scales, *, path="prmt", bias=None, out_dtype="float32",
-                   rows_per_warp=None, norm_weight=None, norm_eps=None) -> Int4Gemv:
+                   plan=None, norm_weight=None, norm_eps=None, rope_heads=None) -> Int4Gemv:
     """An INT4 GEMV for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128]); with
-    norm_weight (float16 [k]) and norm_eps it reads RMSNorm(h) * norm_weight of a float32 h."""
-    return Int4Gemv(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype,
-                    rows_per_warp=rows_per_warp, norm_weight=norm_weight, norm_eps=norm_eps)
+    norm_weight (float16 [k]) and norm_eps it reads RMSNorm(h) * norm_weight of a float32 h; with
+    rope_heads = (num_heads, num_kv_heads, head_dim) it is the QKV projection whose epilogue
+    applies the bias, RoPE and the KV-cache write (launch_rope)."""
+    return Int4Gemv(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, plan=plan,
+                    norm_weight=norm_weight, norm_eps=norm_eps, rope_heads=rope_heads)
 
 
-def make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", rows_per_warp=None,
+def make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", plan=None,
                       norm_weight=None, norm_eps=None) -> GateUpSilu:
     """The fused MLP input projection: silu(Wg x) * (Wu x) for Wg, Wu [n, k] in INT4 (x optionally
     RMSNorm(h) * norm_weight, as make_gemv_int4)."""
-    return GateUpSilu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=rows_per_warp,
+    return GateUpSilu(n, k, gate_q, gate_s, up_q, up_s, path=path, plan=plan,
                       norm_weight=norm_weight, norm_eps=norm_eps)
 
 
@@ -527,7 +699,7 @@ def gemv_bytes(n: int, k: int) -> int:
     return n * k // 2 + 2 * n * (k // GROUP_SIZE) + 2 * k
 
 
-def _signature(path: str, *, gate_up: bool = False, out=types.float32, norm: bool = False):
+def _signature(path: str, *, out=types.float32, norm: bool = False):
     """The kernel's Numba signature (contiguous 1-D arrays; `out` float32 or float16)."""
     flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
     if norm:
@@ -536,9 +708,10 @@ def _signature(path: str, *, gate_up: bool = False, out=types.float32, norm: boo
         activations = types.UniTuple(flat_u32, 1)
     else:
         activations = types.Tuple((flat_u32, types.float32[::1], types.int32[::1]))
-    if gate_up:
-        return types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16)
-    return types.void(flat_u32, flat_f16, activations, flat_f16, out[::1])
+    return types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16, out[::1])
+
+
+COMPILE_SM_COUNT = 132  # the grid the compile targets are built for (an H200's SMs)
 
 
 def compile_targets() -> list[CompileTarget]:
@@ -546,27 +719,39 @@ def compile_targets() -> list[CompileTarget]:
     hidden, intermediate, qkv, vocab = 3584, 18944, 4608, 152064
     targets = []
     for path in PATHS:
-        must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32") + (
-            ("prmt.b32", "fma.rn.f16x2") if path == "prmt" else ("dp4a.s32.s32",))
-        for name, n, k, bias, residual, out in (("qkv", qkv, hidden, True, False, types.float32),
-                                                ("o_proj", hidden, hidden, False, True, types.float32),
-                                                ("down_proj", hidden, intermediate, False, True, types.float32),
-                                                ("lm_head", vocab, hidden, False, False, types.float32),
-                                                ("tiny, float16 out", 16, 256, True, False, types.float16)):
-            kernel = gemv_kernel(path, n, k, default_rows_per_warp(n), bias, residual)
-            targets.append(CompileTarget(f"gemv_int4_{path}[{name} {n}x{k}]", kernel, _signature(path, out=out),
-                                         must))
-        for name, n, k in (("gate_up", intermediate, hidden), ("tiny", 16, 256)):
-            kernel = gate_up_kernel(path, n, k, default_rows_per_warp(n, matrices=2))
-            targets.append(CompileTarget(f"gate_up_silu_{path}[{name} {n}x{k}]", kernel,
-                                         _signature(path, gate_up=True), must))
+        must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "griddepcontrol.wait",
+                "griddepcontrol.launch_dependents") + (
+            ("prmt.b32", "fma.rn.f16x2", "ld.shared.v4.u32") if path == "prmt" else ("dp4a.s32.s32",))
+        for name, n, k, matrices, epilogue, out in (
+                ("qkv", qkv, hidden, 1, "bias", types.float32),
+                ("o_proj", hidden, hidden, 1, "residual", types.float32),
+                ("gate_up", intermediate, hidden, 2, "silu", types.float16),
+                ("down_proj", hidden, intermediate, 1, "residual", types.float32),
+                ("lm_head", vocab, hidden, 1, "store", types.float32),
+                ("tiny, float16 out", 16, 256, 1, "bias", types.float16)):
+            plan = default_plan(n, k, matrices)
+            kernel = gemv_kernel(path, n, k, matrices, plan, plan.grid(n, COMPILE_SM_COUNT), epilogue)
+            targets.append(CompileTarget(f"gemv_int4_{path}[{name} {n}x{k}, {plan}]", kernel,
+                                         _signature(path, out=out), must))
+    # The decode step's QKV: fused norm, bias, RoPE and the KV write (both paths).
+    pages = types.float16[:, :, :, ::1]
+    rope_out = types.Tuple((types.float32[::1], pages, pages, types.int32[::1], types.int32[::1],
+                            types.float32[:, ::1], types.float32[:, ::1]))
+    flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
+    for path, activations, eps in (("prmt", types.Tuple((types.float32[::1], flat_u32)), 1e-6),
+                                   ("dp4a", types.Tuple((flat_u32, types.float32[::1], types.int32[::1])), None)):
+        kernel = gemv_kernel(path, qkv, hidden, 1, ROPE_PLAN, ROPE_PLAN.grid(qkv, COMPILE_SM_COUNT), "rope", eps,
+                             (28, 4, 128))
+        targets.append(CompileTarget(f"gemv_int4_{path}[qkv {qkv}x{hidden}, rope + KV write]", kernel,
+                                     types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16,
+                                                rope_out), ("griddepcontrol.wait", "cvt.rn.f16.f32")))
     # The prmt kernels that read RMSNorm(h) (the engine's qkv, gate-up and lm_head).
     must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "prmt.b32", "fma.rn.f16x2", "cvt.rn.f16x2.f32")
-    for name, n, k, bias in (("qkv", qkv, hidden, True), ("lm_head", vocab, hidden, False)):
-        kernel = gemv_kernel("prmt", n, k, default_rows_per_warp(n), bias, False, 1e-6)
+    for name, n, k, matrices, epilogue, out in (("qkv", qkv, hidden, 1, "bias", types.float32),
+                                                ("gate_up", intermediate, hidden, 2, "silu", types.float16),
+                                                ("lm_head", vocab, hidden, 1, "store", types.float32)):
+        plan = default_plan(n, k, matrices)
+        kernel = gemv_kernel("prmt", n, k, matrices, plan, plan.grid(n, COMPILE_SM_COUNT), epilogue, 1e-6)
         targets.append(CompileTarget(f"gemv_int4_prmt[{name} {n}x{k}, fused rmsnorm]", kernel,
-                                     _signature("prmt", norm=True), must))
-    kernel = gate_up_kernel("prmt", intermediate, hidden, default_rows_per_warp(intermediate, matrices=2), 1e-6)
-    targets.append(CompileTarget(f"gate_up_silu_prmt[gate_up {intermediate}x{hidden}, fused rmsnorm]", kernel,
-                                 _signature("prmt", gate_up=True, norm=True), must))
+                                     _signature("prmt", out=out, norm=True), must))
     return targets

@@ -17,6 +17,8 @@ from __future__ import annotations
 from numba import cuda
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from . import CompileTarget
 
 PAGE_SIZE = 16  # positions per KV page: one (page, kv head) tile is 16 x head_dim FP16 values
@@ -24,6 +26,8 @@ PAGE_SIZE = 16  # positions per KV page: one (page, kv head) tile is 16 x head_d
 
 @cuda.jit
 def page_alloc(pos, page_table, next_free_page):
+    launch_dependents()
+    grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
     page = next_free_page[0]
     page_table[pos[0] // PAGE_SIZE] = page
     next_free_page[0] = page + 1
@@ -32,7 +36,7 @@ def page_alloc(pos, page_table, next_free_page):
 class PageAlloc:
     def launch(self, stream, pos, page_table, next_free_page) -> None:
         """pos int32 [1], page_table int32 [max_pages], next_free_page int32 [1] (both updated)."""
-        page_alloc[1, 1, stream](pos, page_table, next_free_page)
+        launch(page_alloc, 1, 1, stream, (pos, page_table, next_free_page))
 
 
 def make_page_alloc() -> PageAlloc:

@@ -28,6 +28,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ..config import GROUP_SIZE
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.warp import shfl_xor
@@ -52,6 +54,8 @@ def quantize_activation_kernel(k: int):
 
     @cuda.jit
     def quantize_activation_int8(x_pairs, xq, scale, offset):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         octet = cuda.blockIdx.x * THREADS_PER_BLOCK + cuda.threadIdx.x
         active = octet < octets
         # Every lane runs the shuffles below (they need the whole warp); lanes past the end of x
@@ -112,7 +116,7 @@ class Int8Activations:
 
     def launch(self, stream, x_pairs) -> None:
         """Quantize x (float16 [K], passed as its uint32 [K/2] view) into xq, scale, offset."""
-        self._kernel[self._grid, THREADS_PER_BLOCK, stream](x_pairs, self.xq, self.scale, self.offset)
+        launch(self._kernel, self._grid, THREADS_PER_BLOCK, stream, (x_pairs, self.xq, self.scale, self.offset))
 
 
 def compile_targets() -> list[CompileTarget]:

@@ -30,6 +30,8 @@ import numpy as np
 from numba import cuda, float32
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.warp import warp_sum
 from . import CompileTarget
 
@@ -45,6 +47,8 @@ def _rmsnorm_kernel(hidden_size: int, eps: float, threads: int):
 
     @cuda.jit
     def rmsnorm(h, weight, xn):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         warp_totals = cuda.shared.array(32, float32)
@@ -79,7 +83,7 @@ class RmsNorm:
         (or [>= R, hidden]: rows 0 .. R - 1 are written)."""
         if h.ndim == 1:  # one token: a one-row view of the same memory
             h, xn = h.reshape(1, self.hidden_size), xn.reshape(1, self.hidden_size)
-        self.kernel[h.shape[0], self.threads, stream](h, weight, xn)
+        launch(self.kernel, h.shape[0], self.threads, stream, (h, weight, xn))
 
 
 def make_rmsnorm(hidden_size: int, eps: float) -> RmsNorm:

@@ -42,6 +42,8 @@ import numpy as np
 from numba import cuda
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..reference import rope_tables
 from . import CompileTarget
 from .page_alloc import PAGE_SIZE
@@ -65,6 +67,8 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
 
     @cuda.jit
     def rope_kv_write(qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         head = cuda.blockIdx.x
         row = cuda.blockIdx.y
         i = cuda.threadIdx.x
@@ -112,8 +116,8 @@ class RopeKvWrite:
         start, m int32 [1] (m <= R), page_table int32 [max_pages] -> q float32 [>= R, num_heads,
         head_dim] rows 0 .. m - 1, and positions start .. start + m - 1 of k_pages, v_pages float16
         [num_pages, num_kv_heads, PAGE_SIZE, head_dim]."""
-        self.kernel[(self.heads, qkv.shape[0]), self.threads, stream](qkv, rope_cos, rope_sin, start, m,
-                                                                      page_table, q, k_pages, v_pages)
+        launch(self.kernel, (self.heads, qkv.shape[0]), self.threads, stream,
+               (qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages))
 
     def launch(self, stream, qkv, rope_cos, rope_sin, pos, page_table, q, k_pages, v_pages) -> None:
         """The decode step: qkv float32 [q_size + 2 kv_size] of the token at position pos[0] ->

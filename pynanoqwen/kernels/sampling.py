@@ -52,6 +52,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 from numba.core import types
 
+from ..launch import launch
+from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.warp import shfl_xor, warp_sum
 from ..sampling import SamplingParams
 from . import CompileTarget
@@ -180,6 +182,8 @@ def order_pair(values, indices, i, j, best_first):
 
 @cuda.jit
 def advance_prompt(pos):
+    launch_dependents()
+    grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
     pos[0] += 1
 
 
@@ -190,6 +194,8 @@ def _argmax_kernels(vocab_size: int, threads: int, blocks: int):
 
     @cuda.jit
     def argmax_partial(logits, sampling, seed, pos, partial_values, partial_indices):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         warp_values = cuda.shared.array(32, float32)
         warp_indices = cuda.shared.array(32, int32)
         start = cuda.blockIdx.x * chunk
@@ -212,6 +218,8 @@ def _argmax_kernels(vocab_size: int, threads: int, blocks: int):
 
     @cuda.jit
     def argmax_finish(partial_values, partial_indices, tokens, pos):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         warp_values = cuda.shared.array(32, float32)
         warp_indices = cuda.shared.array(32, int32)
         best_value, best_index = float32(-math.inf), int32(NO_ID)
@@ -250,6 +258,8 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
 
     @cuda.jit
     def candidates_partial(logits, sampling, candidate_values, candidate_indices, slice_max, slice_sum):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         values = cuda.shared.array(sort_size, float32)
         indices = cuda.shared.array(sort_size, int32)
         warp_totals = cuda.shared.array(32, float32)
@@ -281,6 +291,8 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
     @cuda.jit
     def candidates_select(candidate_values, candidate_indices, slice_max, slice_sum, sampling, top_k,
                           seed, tokens, pos):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         top_values = cuda.shared.array(candidates, float32)
         top_indices = cuda.shared.array(candidates, int32)
         cdf = cuda.shared.array(candidates, float32)
@@ -413,18 +425,18 @@ class Sampler:
         `device_params`; tokens int32 [>= pos + 2]; pos int32 [1].
         """
         if method == "prompt":
-            advance_prompt[1, 1, stream](pos)
+            launch(advance_prompt, 1, 1, stream, (pos,))
         elif method == "argmax":
-            self.argmax_partial[self.argmax_blocks, self.argmax_threads, stream](
-                logits, sampling, seed, pos, self.partial_values, self.partial_indices)
-            self.argmax_finish[1, self.argmax_threads, stream](self.partial_values, self.partial_indices,
-                                                               tokens, pos)
+            launch(self.argmax_partial, self.argmax_blocks, self.argmax_threads, stream,
+                   (logits, sampling, seed, pos, self.partial_values, self.partial_indices))
+            launch(self.argmax_finish, 1, self.argmax_threads, stream,
+                   (self.partial_values, self.partial_indices, tokens, pos))
         elif method == "candidates":
-            self.candidates_partial[self.lists, self.candidate_threads, stream](
-                logits, sampling, self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum)
-            self.candidates_select[1, self.candidate_threads, stream](
-                self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum, sampling, top_k,
-                seed, tokens, pos)
+            launch(self.candidates_partial, self.lists, self.candidate_threads, stream,
+                   (logits, sampling, self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum))
+            launch(self.candidates_select, 1, self.candidate_threads, stream,
+                   (self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum, sampling, top_k,
+                    seed, tokens, pos))
         else:
             raise ValueError(f"unknown sampling method {method!r}; expected one of {METHODS}")
 

@@ -121,3 +121,22 @@ def warp_max(x):
     x = max(x, shfl_xor(x, 2))
     x = max(x, shfl_xor(x, 1))
     return x
+
+
+def syncwarp_simulated():
+    _warp_exchange(threading.current_thread()).barrier.wait()
+
+
+@simulator_twin(syncwarp_simulated)
+@intrinsic
+def syncwarp(typingctx):
+    """Barrier and memory fence among the 32 lanes of this warp: `bar.warp.sync 0xffffffff` (PTX ISA,
+    Parallel Synchronization: bar.warp.sync). Shared-memory writes a lane made before it are seen
+    by the warp's other lanes after it. All 32 lanes call it."""
+
+    def codegen(context, builder, sig, args):
+        fn_type = ir.FunctionType(ir.VoidType(), [])
+        builder.call(ir.InlineAsm(fn_type, "bar.warp.sync 0xffffffff;", "~{memory}", side_effect=True), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen

@@ -4,9 +4,10 @@ the CUDA simulator, against plain float64 softmax attention over the gathered ca
 Tiny shapes: 4 query heads over 2 KV heads (GQA group 2), head_dim 64. The page table is a
 random permutation of a pool larger than needed, and every cache slot that is not part of the
 context (the tail of the last page, pages not in the table) holds NaN, so reading past the
-context or through the wrong page poisons the output. num_splits 3 leaves some splits without
-pages at short contexts; a 2-stage ring makes the producer of a 3-page split wait for the
-consumers to release a stage before refilling it. One kernel object serves every context in
+context or through the wrong page poisons the output. num_splits 3 with one page a split leaves
+some splits without pages at short contexts; a 2-stage ring makes the producer wait for a
+consumer to release a stage before refilling it (one consumer: both stages its own), and 4 stages
+over 2 consumers give each one a page in flight while it computes the other. One kernel object serves every context in
 turn, as in a CUDA graph, so the merge counter must reset itself.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from pynanoqwen.errors import ConfigError
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -49,11 +51,11 @@ def random_cache(rng, context):
     return k_pages, v_pages, page_table
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_matches_softmax_reference(num_splits):
-    rng = np.random.default_rng(1000 + num_splits)
+@pytest.mark.parametrize("num_splits, stages, consumers", [(1, 2, 2), (3, 2, 2), (1, 2, 1), (1, 4, 2)])
+def test_decode_attention_matches_softmax_reference(num_splits, stages, consumers):
+    rng = np.random.default_rng()
     attention = make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits,
-                                      stages=2)
+                                      stages=stages, consumers=consumers, min_pages_per_split=1)
     stream = cuda.stream()
     for context in (1, 5, 16, 17, 40):
         k_pages, v_pages, page_table = random_cache(rng, context)
@@ -64,6 +66,12 @@ def test_decode_attention_matches_softmax_reference(num_splits):
         attention.launch(stream, cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
                          cuda.to_device(page_table), cuda.to_device(pos), out)
         expected = reference_attention(q, k_pages, v_pages, page_table, context - 1)
-        # float16 output: 2e-3 is four half-ULPs at 1.0; the float32 math inside is far finer.
+        # float16 output: 2e-3 is four half-ULPs at 1.0; the float32 math inside is far finer (q and
+        # the weights enter the mma as FP16 high parts plus FP16 remainders: ~2^-22 relative).
         np.testing.assert_allclose(out.copy_to_host().astype(np.float64), expected, rtol=2e-3, atol=2e-3,
                                    err_msg=f"context {context}, num_splits {num_splits}")
+
+
+def test_stages_must_be_a_multiple_of_consumers():
+    with pytest.raises(ConfigError, match="multiple of consumers"):
+        make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, stages=2, consumers=3)

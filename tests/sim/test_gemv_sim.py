@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pynanoqwen.kernels.gemv_int4 import make_gate_up_silu, make_gemv_int4
+from pynanoqwen.kernels.gemv_int4 import GemvPlan, make_gate_up_silu, make_gemv_int4
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.quant import dequantize_int4, quantize_int4
 
@@ -48,7 +48,7 @@ def run(gemv, x, out, **epilogue):
 
 def dequantized_activations(gemv, k):
     """x as the dp4a GEMV saw it: its INT8 workspace decoded back to input order, times the scale."""
-    int8 = gemv._launcher.int8
+    int8 = gemv._input.int8
     chunks = k // 32
     words = int8.xq.copy_to_host().reshape(8, chunks)  # word j of chunk c at [j, c]
     q = words.T.copy().view(np.int8).reshape(chunks, 4, 2, 4)  # chunk, octet, A/B, byte
@@ -62,21 +62,28 @@ def dequantized_activations(gemv, k):
     return q * np.repeat(scale.astype(np.float64), 128), scale
 
 
+# The simulator reports 2 SMs (launch.SIMULATED_SM_COUNT), so a plan of 2 warps and 1 block per SM
+# runs 4 warps: each walks several tiles, and its pipeline of `depth` loads crosses tile boundaries.
+PIPELINED = GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1)
+
+
 @pytest.mark.parametrize("path", ["prmt", "dp4a"])
-@pytest.mark.parametrize("n, k, rows, epilogue", [
-    (16, 256, 4, "plain"),      # 4 warps with rows, 4 of the block's 8 exit early
-    (24, 384, 2, "bias"),       # K/32 = 12 chunks: lanes 12..31 idle; 2 blocks
-    (16, 1152, 1, "residual"),  # out += W x; 36 chunks: lanes 0..3 take 2 steps (prefetch)
-    (16, 384, 2, "float16"),    # out_dtype float16
+@pytest.mark.parametrize("n, k, plan, epilogue", [
+    (16, 256, GemvPlan(rows=4, depth=2), "plain"),    # 4 tiles: 4 of the block's 8 warps have none
+    (24, 384, GemvPlan(rows=2, depth=3), "bias"),     # K/32 = 12 chunks: lanes 12..31 idle
+    (16, 1152, GemvPlan(rows=1, depth=1), "residual"),  # out += W x; 36 chunks: lanes 0..3 take 2 steps
+    (16, 384, GemvPlan(rows=2, depth=2), "float16"),  # out_dtype float16
+    (18, 256, PIPELINED, "bias"),       # one step a tile: 5, 5, 4, 4 tiles a warp, loads 4 tiles ahead
+    (12, 1152, PIPELINED, "residual"),  # two steps a tile (the second with 4 lanes): ahead across tiles
 ])
-def test_gemv_exact_activations(path, n, k, rows, epilogue):
+def test_gemv_exact_activations(path, n, k, plan, epilogue):
     rng = np.random.default_rng()
     qweight, scales, w = random_linear(rng, n, k)
     x = exact_activations(rng, k)
     bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
     out = rng.standard_normal(n).astype(np.float32)  # fresh contents: residual adds to them
     out_dtype = "float16" if epilogue == "float16" else "float32"
-    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, rows_per_warp=rows)
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, plan=plan)
     y = run(gemv, x, out.astype(out_dtype), residual=epilogue == "residual")
     x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
     expected = w @ x_used
@@ -96,7 +103,7 @@ def test_prmt_gaussian_activations_within_fp16_accumulation_bound():
     n, k = 16, 2176  # 68 chunks: lanes 0..3 take 3 steps
     qweight, scales, w = random_linear(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
-    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", rows_per_warp=4)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", plan=GemvPlan(rows=4))
     y = run(gemv, x, np.zeros(n, np.float32))
     magnitude = np.abs(w) @ np.abs(x.astype(np.float64))
     error = np.abs(y - w @ x.astype(np.float64))
@@ -108,7 +115,7 @@ def test_dp4a_gaussian_activations_within_int8_rounding_bound():
     n, k = 16, 256
     qweight, scales, w = random_linear(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
-    gemv = make_gemv_int4(n, k, qweight, scales, path="dp4a", rows_per_warp=2)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="dp4a", plan=GemvPlan(rows=2))
     y = run(gemv, x, np.zeros(n, np.float32))
     x_used, x_scale = dequantized_activations(gemv, k)
     x64 = x.astype(np.float64)
@@ -121,13 +128,14 @@ def test_dp4a_gaussian_activations_within_int8_rounding_bound():
 
 
 @pytest.mark.parametrize("path", ["prmt", "dp4a"])
-def test_gate_up_silu(path):
+@pytest.mark.parametrize("n, plan", [(16, GemvPlan(rows=2, depth=2)), (10, PIPELINED)])
+def test_gate_up_silu(path, n, plan):
     rng = np.random.default_rng()
-    n, k = 16, 1152
+    k = 1152
     gate_q, gate_s, wg = random_linear(rng, n, k)
     up_q, up_s, wu = random_linear(rng, n, k)
     x = exact_activations(rng, k)
-    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=2)
+    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, plan=plan)
     y = run(mlp, x, np.zeros(n, np.float16)).astype(np.float64)
     x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else x.astype(np.float64)
     g, u = wg @ x_used, wu @ x_used
@@ -155,11 +163,11 @@ def test_gemv_fused_rmsnorm_exact(path, n, k, rows):
     qweight, scales, w = random_linear(rng, n, k)
     h, weight, xn = normed_inputs(rng, k)
     bias = rng.standard_normal(n).astype(np.float16)
-    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rows_per_warp=rows,
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, plan=GemvPlan(rows=rows, depth=2),
                           norm_weight=weight, norm_eps=0.0)
     y = run(gemv, h, np.full(n, np.nan, np.float32))
     if path == "dp4a":  # the norm ran as its own kernel into the object's workspace
-        assert np.array_equal(gemv._launcher.xn.copy_to_host().astype(np.float64), xn)
+        assert np.array_equal(gemv._input.xn.copy_to_host().astype(np.float64), xn)
     x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else xn
     assert np.all(np.abs(y - (w @ x_used + bias)) <= float32_bound(w, x_used, k))
 
@@ -171,7 +179,7 @@ def test_gate_up_silu_fused_rmsnorm_exact(path):
     gate_q, gate_s, wg = random_linear(rng, n, k)
     up_q, up_s, wu = random_linear(rng, n, k)
     h, weight, xn = normed_inputs(rng, k)
-    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, rows_per_warp=2,
+    mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, plan=PIPELINED,
                             norm_weight=weight, norm_eps=0.0)
     y = run(mlp, h, np.zeros(n, np.float16)).astype(np.float64)
     x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else xn
@@ -197,8 +205,59 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
     weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
     h64 = h.astype(np.float64)
     xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
-    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", rows_per_warp=2, norm_weight=weight, norm_eps=eps)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", plan=GemvPlan(rows=2), norm_weight=weight,
+                          norm_eps=eps)
     y = run(gemv, h, np.full(n, np.nan, np.float32))
     magnitude = np.abs(w) @ np.abs(xn)
     bound = (U16 + 8 * U32) * magnitude + 16 * U16 * (1 + U16) * magnitude + float32_bound(w, xn, k)
     assert np.all(np.abs(y - w @ xn) <= bound)
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+def test_qkv_rope_kv_write(path):
+    """The QKV GEMV with the RoPE + KV-write epilogue against float64: W x + b, rotated by the float64
+    angles of the position (q into q, k into its page slot), v copied; every other slot untouched.
+
+    Bound per output: the GEMV's float32 bound for each of the pair's two rows (e1, e2), carried
+    through the rotation (|cos| e1 + |sin| e2 <= e1 + e2), the rotation's own float32 rounding
+    (16 u32 (|x1| + |x2|), as kernels/rope_kv_write's tests), and for K/V the FP16 store
+    (u16 |y| + 2^-25)."""
+    from pynanoqwen.kernels.page_alloc import PAGE_SIZE as PAGE
+    from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
+
+    rng = np.random.default_rng()
+    heads, kv_heads, hd, k, pages = 4, 2, 64, 256, 5
+    n = (heads + 2 * kv_heads) * hd
+    qweight, scales, w = random_linear(rng, n, k)
+    bias = rng.standard_normal(n).astype(np.float16)
+    x = exact_activations(rng, k)
+    position = int(rng.integers(0, pages * PAGE))
+    page_table = rng.permutation(pages).astype(np.int32)
+    cos, sin = rope_cos_sin(hd, 10000.0, pages * PAGE)
+    k_init = rng.standard_normal((pages, kv_heads, PAGE, hd)).astype(np.float16)
+    v_init = rng.standard_normal((pages, kv_heads, PAGE, hd)).astype(np.float16)
+    q, k_pages, v_pages = (cuda.to_device(a) for a in (np.full((heads, hd), np.nan, np.float32), k_init, v_init))
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rope_heads=(heads, kv_heads, hd),
+                          plan=GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1))
+    gemv.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, cuda.to_device(page_table),
+                     cuda.to_device(np.array([position], np.int32)), cuda.to_device(cos), cuda.to_device(sin))
+
+    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
+    qkv = (w @ x_used + bias).reshape(-1, hd)
+    error = (float32_bound(w, x_used, k) + U32 * np.abs(qkv.reshape(-1))).reshape(-1, hd)
+    half = hd // 2
+    angle = position * 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    x1, x2 = qkv[:, :half], qkv[:, half:]
+    rotated = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], 1)
+    rot_bound = np.tile(error[:, :half] + error[:, half:] + 16 * U32 * (np.abs(x1) + np.abs(x2)), 2)
+    page, slot = page_table[position // PAGE], position % PAGE
+    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    assert np.all(np.abs(q.copy_to_host() - rotated[:heads]) <= rot_bound[:heads])
+    k_rot = rotated[heads:heads + kv_heads]
+    assert np.all(np.abs(k_got[page, :, slot] - k_rot) <= rot_bound[heads:heads + kv_heads]
+                  + U16 * np.abs(k_rot) + 2.0**-25)
+    v = qkv[heads + kv_heads:]
+    assert np.all(np.abs(v_got[page, :, slot] - v) <= error[heads + kv_heads:] + U16 * np.abs(v) + 2.0**-25)
+    untouched = np.ones(k_init.shape[:3], bool)
+    untouched[page, :, slot] = False
+    assert np.array_equal(k_got[untouched], k_init[untouched]) and np.array_equal(v_got[untouched], v_init[untouched])

@@ -1,0 +1,73 @@
+"""Time decode attention (kernels/attention_decode.py) at 7B shapes over a sweep of contexts and
+split settings, on the GPU: 28 launches (one per layer, each over its own KV pages, so the K/V
+stream comes from HBM as in a decode step) in one CUDA graph, replayed.
+
+    python dev/attention_splits.py [--contexts 512,4096,16384,32000] [--json out.json]
+
+Prints us per launch, the K/V bytes one launch must read (2 x context x kv_heads x head_dim x 2 B)
+and that as GB/s and as a share of a device-to-device copy measured first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pynanoqwen.gpu_timing import copy_bandwidth, time_graph  # noqa: E402
+from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
+from pynanoqwen.launch import plain_launches  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 28, 4, 128, 28
+VARIANTS = [dict(), dict(min_pages_per_split=1), dict(num_splits=66), dict(consumers=2, stages=8),
+            dict(consumers=4, stages=4), dict(consumers=2, stages=4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="512,4096,16384,32000")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    copy = copy_bandwidth()
+    print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    max_pages = -(-max(contexts) // PAGE_SIZE)
+    shape = (max_pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k_host, v_host = (rng.standard_normal(shape).astype(np.float16) for _ in range(2))
+    pools = [(cuda.to_device(k_host), cuda.to_device(v_host)) for _ in range(LAYERS)]  # own memory each
+    page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
+    q = cuda.to_device((3 * rng.standard_normal((HEADS, HEAD_DIM))).astype(np.float32))
+    out = cuda.device_array(HEADS * HEAD_DIM, np.float16)
+    rows = []
+    for variant in VARIANTS:
+        attention = make_decode_attention(HEADS, KV_HEADS, HEAD_DIM, max_pages, **variant)
+        for context in contexts:
+            pos = cuda.to_device(np.array([context - 1], np.int32))
+
+            def enqueue():
+                for k_pages, v_pages in pools:
+                    attention.launch(stream, q, k_pages, v_pages, page_table, pos, out)
+
+            seconds = time_graph(stream, enqueue, replays=10) / LAYERS
+            with plain_launches():
+                plain = time_graph(stream, enqueue, replays=10) / LAYERS
+            nbytes = 2 * context * KV_HEADS * HEAD_DIM * 2
+            row = {"variant": variant, "context": context, "us": seconds * 1e6, "plain_us": plain * 1e6,
+                   "bytes": nbytes, "gbs": nbytes / seconds / 1e9, "share": nbytes / seconds / copy}
+            rows.append(row)
+            print(f"{str(variant):45s} ctx {context:6d}  PDL {row['us']:7.2f} us {row['gbs']:6.0f} GB/s "
+                  f"{100 * row['share']:5.1f}%   plain {row['plain_us']:7.2f} us", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_gbs": copy / 1e9, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Time the INT4 GEMV (kernels/gemv_int4.py) at every 7B linear with several GemvPlans, as
+back-to-back programmatic launches and as plain launches, on the GPU.
+
+    python dev/gemv_plans.py [--json out.json]
+
+Each call reads a different copy of the weights (enough copies to exceed the L2 twice), so every
+call streams from HBM, as one decode step does layer after layer; calls are captured in one CUDA
+graph and replayed. qkv, gate_up and lm_head read the float32 residual stream and apply their
+RMSNorm (the engine's fused path); o_proj and down add into a float32 residual. Prints a table
+per shape: us per call, GB/s and the share of a device-to-device copy measured first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from numba import cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pynanoqwen.gpu_timing import copy_bandwidth, time_graph, weight_copies  # noqa: E402
+from pynanoqwen.kernels.gemv_int4 import (ROPE_PLAN, GemvPlan, default_plan, gemv_bytes,  # noqa: E402
+                                          make_gate_up_silu, make_gemv_int4)
+from pynanoqwen.kernels.rope_kv_write import rope_cos_sin  # noqa: E402
+from pynanoqwen.launch import plain_launches  # noqa: E402
+
+HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
+SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rope"), ("o_proj", HIDDEN, HIDDEN, "residual"),
+          ("gate_up", INTERMEDIATE, HIDDEN, "norm+silu"), ("down", HIDDEN, INTERMEDIATE, "residual"),
+          ("lm_head", VOCAB, HIDDEN, "norm")]
+PLANS = {
+    "small": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 1), GemvPlan(2, 4, 8, 2),
+              GemvPlan(4, 2, 8, 1), GemvPlan(1, 4, 8, 1)],
+    "qkv_rope": [GemvPlan(2, 4, 8, 1), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 2), GemvPlan(2, 2, 8, 1)],
+    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 1, 8, 2), GemvPlan(2, 2, 8, 1),
+                GemvPlan(1, 2, 8, 2)],
+    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(1, 4, 8, 4), GemvPlan(4, 2, 8, 1),
+             GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2)],
+    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(4, 2, 8, 1)],
+}
+HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
+
+
+def random_int4(rng, n, k):
+    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
+            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
+
+
+def build(name, n, k, epilogue, plan, rng):
+    matrices = 2 if name == "gate_up" else 1
+    weights = [random_int4(rng, n, k) for _ in range(matrices)]
+    norm = {"norm_weight": (1 + 0.1 * rng.standard_normal(k)).astype(np.float16), "norm_eps": 1e-6} \
+        if epilogue.startswith("norm") else {}
+    if matrices == 2:
+        return make_gate_up_silu(n, k, *weights[0], *weights[1], plan=plan, **norm)
+    bias = rng.standard_normal(n).astype(np.float16) if "bias" in epilogue or "rope" in epilogue else None
+    rope = {"rope_heads": HEADS} if "rope" in epilogue else {}
+    return make_gemv_int4(n, k, *weights[0], bias=bias, plan=plan, **norm, **rope)
+
+
+def time_plan(name, n, k, epilogue, plan, rng, stream) -> dict:
+    matrices = 2 if name == "gate_up" else 1
+    nbytes = matrices * gemv_bytes(n, k)
+    copies = weight_copies(nbytes)
+    gemvs = [build(name, n, k, epilogue, plan, rng) for _ in range(copies)]
+    x = cuda.to_device(rng.standard_normal(k).astype(np.float32 if epilogue.startswith("norm") else np.float16))
+    out = cuda.to_device(np.zeros(n, np.float16 if matrices == 2 else np.float32))
+    residual = {"residual": True} if epilogue == "residual" else {}
+    calls = max(copies, 32)
+    if "rope" in epilogue:
+        heads, kv_heads, hd = HEADS
+        cos, sin = (cuda.to_device(t) for t in rope_cos_sin(hd, 1e6, 4096))
+        pages = [cuda.device_array((256, kv_heads, 16, hd), np.float16) for _ in range(2)]
+        rope_args = (cuda.device_array((heads, hd), np.float32), *pages,
+                     cuda.to_device(np.arange(256, dtype=np.int32)), cuda.to_device(np.array([1000], np.int32)), cos, sin)
+
+    def enqueue():
+        for c in range(calls):
+            if "rope" in epilogue:
+                gemvs[c % copies].launch_rope(stream, x, *rope_args)
+            else:
+                gemvs[c % copies].launch(stream, x, out, **residual)
+
+    programmatic = time_graph(stream, enqueue) / calls
+    with plain_launches():
+        plain = time_graph(stream, enqueue) / calls
+    return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm],
+            "grid": gemvs[0]._input.grid, "bytes": nbytes, "us": programmatic * 1e6, "plain_us": plain * 1e6,
+            "default": plan == (ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    rows = []
+    for name, n, k, epilogue in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        matrices = 2 if name == "gate_up" else 1
+        plans = list(PLANS["small" if name in ("qkv", "o_proj") else name])
+        if name != "qkv_rope" and default_plan(n, k, matrices) not in plans:
+            plans.insert(0, default_plan(n, k, matrices))
+        for plan in plans:
+            row = time_plan(name, n, k, epilogue, plan, rng, stream)
+            row["gbs"] = row["bytes"] / row["us"] / 1e3
+            row["share"] = row["bytes"] / (row["us"] * 1e-6) / copy
+            row["plain_gbs"] = row["bytes"] / row["plain_us"] / 1e3
+            rows.append(row)
+            print(f"{name:8s} {n:6d}x{k:5d} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}"
+                  f" grid {row['grid']:4d}{' *' if row['default'] else '  '}  PDL {row['us']:7.2f} us "
+                  f"{row['gbs']:6.0f} GB/s {100 * row['share']:5.1f}%   plain {row['plain_us']:7.2f} us "
+                  f"{row['plain_gbs']:6.0f} GB/s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_gbs": copy / 1e9, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Bad command lines of every command, through `python -m pynanoqwen` as a user runs it: each is
+one `error: ...` line on stderr, nothing on stdout, exit code 1 (2 for what click itself parses:
+a value that is not a number, a missing argument, an unknown option). Arguments are checked before
+the hardware: a wrong setting is reported as such on a machine without a GPU too."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.generate import cuda_gpu_available
+
+
+def run_module(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pynanoqwen", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, code: int = 1) -> None:
+    assert result.returncode == code and result.stdout == "", result.stderr
+    assert result.stderr == f"error: {expected}\n"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["validate", "--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["validate", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["bench", "--synthetic", "7b", "--repeats", "0"], "--repeats must be at least 1"),
+    (["bench", "--synthetic", "7b", "--gen-tokens", "1"], "--gen-tokens must be at least 2 (ITL needs two tokens)"),
+    (["bench", "--synthetic", "7b", "--prompt-tokens", "-4"], "--prompt-tokens must be at least 1"),
+    (["bench", "--synthetic", "7b", "--eager-tokens", "0"], "--eager-tokens must be at least 1"),
+    (["bench", "--synthetic", "9b"], "unknown preset '9b'; choose one of tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b"),
+    (["bench", "--model", "/nonexistent/m.nanoqwen"], "/nonexistent/m.nanoqwen: no such file"),
+    (["bench", "--synthetic", "7b", "--json", "/nonexistent/run.json"],
+     "--json /nonexistent/run.json: its directory does not exist"),
+    (["bench", "--synthetic", "7b", "--model", EMBEDDED_MODEL],
+     "give exactly one of --model FILE and --synthetic PRESET"),
+], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
+        "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both"])
+def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
+    """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU."""
+    assert_one_error_line(run_module(*args), expected)
+
+
+def test_bench_without_a_gpu_says_so_once_the_settings_are_good():
+    if cuda_gpu_available():
+        pytest.skip("a GPU is present")
+    assert_one_error_line(run_module("bench", "--synthetic", "7b"),
+                          "bench needs an NVIDIA GPU of compute capability 9.0 (H100/H200); none was found")
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["validate", "--seed", "x"], "'--seed'"),
+    (["validate", "--device", "tpu"], "'--device'"),
+    (["bench", "--repeats", "1.5"], "'--repeats'"),
+    (["convert", "only-one-argument"], "'OUT'"),
+    (["info"], "'FILE'"),
+    (["info", "/"], "is a directory"),
+    (["generate", "--no-such-option", "x"], "--no-such-option"),
+    (["serve"], "'serve'"),
+])
+def test_what_click_parses_is_one_line_too(args, culprit):
+    """Click's wording changes between its versions; what must hold is one line naming the culprit
+    and where the options are listed, and click's exit code 2."""
+    result = run_module(*args)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    command = " ".join(["python -m pynanoqwen"] + args[:1] * (args[0] != "serve"))
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert culprit in result.stderr and result.stderr.endswith(f"; see '{command} --help'\n"), result.stderr
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", "{path}: 0 bytes, too short for the 256-byte header"),
+    (b"NANOQWEN" + bytes(500), "{path}: header: format version 0 is not supported (this reader reads version 1)"),
+], ids=["empty", "zero-header"])
+def test_info_on_files_that_are_not_models(tmp_path, content, expected):
+    path = tmp_path / "m.nanoqwen"
+    path.write_bytes(content)
+    assert_one_error_line(run_module("info", path), expected.format(path=path))
+
+
+def test_info_on_a_truncated_model(tmp_path):
+    path = tmp_path / "m.nanoqwen"
+    data = EMBEDDED_MODEL.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    assert_one_error_line(run_module("info", path), f"{path}: header: file_size says {len(data)} bytes but the "
+                                                    f"file has {len(data) // 2} (truncated or appended to)")
