@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from pynanoqwen.data import EMBEDDED_MODEL
-from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.fileformat import NanoQwenFile, NanoQwenWriter
 from pynanoqwen.generate import CpuBackend, generate
 from pynanoqwen.reference import ReferenceModel
 from pynanoqwen.sampling import SamplingParams
@@ -33,25 +33,24 @@ def serving(backend, model: ModelInfo, *, api_key=None, max_queue=8, prefix_cach
         yield server.url
 
 
-def generate_text(model: ModelInfo, prompt_ids: list[int], max_new_tokens: int, stop_ids=None,
+def rewritten(path: Path, **changes) -> Path:
+    """The embedded model written again with some header or tokenizer fields changed, as a file
+    from an older converter (or written by hand) may hold them."""
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        fields = dict(lm_head_int4=f.lm_head_int4, tokenizer_json=bytes(f.tokenizer_json),
+                      chat_template=f.chat_template, extra_eos_ids=f.extra_eos_ids)
+        with NanoQwenWriter(path, f.config, **{**fields, **changes}) as writer:
+            for name in f.names:
+                writer.add_tensor(name, f.tensor(name))
+    return path
+
+
+def generate_text(model: ModelInfo, prompt_ids: list[int], max_new_tokens: int,
                   params: SamplingParams = SamplingParams()) -> tuple[str, list[int]]:
     """What `generate` streams for these prompt ids, on a fresh CPU backend: (text, tokens)."""
     backend = CpuBackend(ReferenceModel(NanoQwenFile(EMBEDDED_MODEL), max_context=model.max_context))
-    tokenizer = model.tokenizer
-    if stop_ids is not None:
-        tokenizer = _WithStops(tokenizer, stop_ids)
-    result = generate(backend, tokenizer, prompt_ids, params, max_new_tokens, on_text=lambda text: None)
+    result = generate(backend, model.tokenizer, prompt_ids, params, max_new_tokens, on_text=lambda text: None)
     return result.text, result.tokens
-
-
-class _WithStops:
-    """A tokenizer whose stop ids are given (the FIM end tokens for a fill-in-the-middle)."""
-
-    def __init__(self, tokenizer, stop_ids):
-        self._tokenizer, self.stop_ids = tokenizer, stop_ids
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
 
 
 class ScriptedBackend:

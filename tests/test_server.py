@@ -11,8 +11,9 @@ import httpx
 import openai
 import pytest
 
-from pynanoqwen.server.prompts import fim_stop_ids, infill_prompt
-from server_harness import CONTEXT, embedded, generate_text, metric, serving
+from pynanoqwen.server.prompts import infill_prompt
+from pynanoqwen.server.run import load_model
+from server_harness import CONTEXT, embedded, generate_text, metric, rewritten, serving
 
 PROMPTS = ("def fibonacci(n):\n", "import os\n\n\nclass Config:\n    def __init__(self", "for i in range(10):\n")
 # A file long enough that /infill prompts span many KV pages (156 tokens with the FIM layout).
@@ -103,7 +104,7 @@ def test_fim_with_a_suffix(server, client):
     prefix, suffix = "def area(r):\n    ", "\n    return result\n"
     ids = model.tokenizer.encode(model.tokenizer.fim_prompt(prefix, suffix))
     answer = client.completions.create(model=model.id, prompt=prefix, suffix=suffix, max_tokens=20, temperature=0)
-    assert answer.choices[0].text == generate_text(model, ids, 20, fim_stop_ids(model.tokenizer))[0]
+    assert answer.choices[0].text == generate_text(model, ids, 20)[0]
     assert answer.usage.prompt_tokens == len(ids)
 
 
@@ -119,7 +120,7 @@ def test_infill_lays_out_the_repository_and_answers_as_llama_cpp(server, http):
     assert "<|file_sep|>tmp\nCONSTANT = 3\n<|file_sep|>filename\n<|fim_prefix|>from helpers" in text
     assert text.endswith("def main():\n    value = <|fim_suffix|>\n\nmain()\n<|fim_middle|>")
     ids = model.tokenizer.encode(text)
-    expected, tokens = generate_text(model, ids, 16, fim_stop_ids(model.tokenizer))
+    expected, tokens = generate_text(model, ids, 16)
     answer = http.post("/infill", json=body).json()
     assert answer["content"] == expected and answer["tokens"] == tokens
     assert answer["stop"] is True and answer["stop_type"] in ("eos", "limit") and answer["truncated"] is False
@@ -276,3 +277,18 @@ def test_the_api_key():
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
         good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
         assert good.completions.create(model=model.id, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+def test_a_model_whose_chat_template_does_not_compile_still_completes(tmp_path):
+    """Files converted before convert checked templates may hold one that does not compile."""
+    path = rewritten(tmp_path / "broken-template.nanoqwen", chat_template="{% for m in messages %}")
+    lines = []
+    backend, model = load_model(path, "cpu", CONTEXT, self_check=False, on_status=lines.append)
+    assert lines[0].startswith("warning: the chat template does not compile")
+    with serving(backend, model) as url, httpx.Client(base_url=url, timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json={"model": model.id, "messages": [{"role": "user",
+                                                                                       "content": "x"}]})
+        assert (chat.status_code, chat.json()["error"]["code"]) == (501, "chat_template_error")
+        answer = http.post("/v1/completions", json={"model": model.id, "prompt": PROMPTS[0], "max_tokens": 4,
+                                                    "temperature": 0})
+        assert answer.json()["choices"][0]["text"] == generate_text(model, model.tokenizer.encode(PROMPTS[0]), 4)[0]

@@ -11,7 +11,8 @@ import time
 
 import httpx
 
-from server_harness import metric, scripted, serving
+from pynanoqwen.server.run import model_info
+from server_harness import metric, rewritten, scripted, serving
 
 STEP_S = 0.05  # one scripted decode step: long enough to tell "stopped" from "kept going"
 
@@ -51,18 +52,26 @@ def test_a_stop_string_split_across_tokens_is_caught_and_not_sent():
     assert sent == "foo"
 
 
-def test_stop_tokens_end_the_text_and_fim_also_stops_at_its_own_end_tokens():
+def test_end_of_generation_tokens_end_the_text_on_every_endpoint(tmp_path):
     backend, model = scripted([])
     tokenizer = model.tokenizer
-    for end in ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"):
+    for end in ("<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>"):
         backend.script = ids(model, "a = 1") + [tokenizer.token_to_id(end)] + ids(model, "junk")
         with serving(backend, model) as url, httpx.Client(base_url=url) as http:
             infill = http.post("/infill", json={"input_prefix": "", "input_suffix": "", "n_predict": 20}).json()
-            suffixed = complete(url, model, suffix="\n").json()["choices"][0]
-            plain = complete(url, model).json()["choices"][0]
+            chat = http.post("/v1/chat/completions", json={"model": model.id, "messages": [
+                {"role": "user", "content": "x"}]}).json()["choices"][0]
+            for choice in (complete(url, model, suffix="\n").json()["choices"][0],
+                           complete(url, model).json()["choices"][0]):
+                assert (choice["text"], choice["finish_reason"]) == ("a = 1", "stop")
         assert (infill["content"], infill["stop_type"]) == ("a = 1", "eos")
-        assert (suffixed["text"], suffixed["finish_reason"]) == ("a = 1", "stop")
-        assert plain["text"].startswith("a = 1" + end) and plain["finish_reason"] == "length"
+        assert (chat["message"]["content"], chat["finish_reason"]) == ("a = 1", "stop")
+    # A file's own end-of-generation ids (generation_config.json's eos_token_id list) too.
+    path = rewritten(tmp_path / "extra-eos.nanoqwen", extra_eos_ids=(ids(model, " junk")[0],))
+    model = model_info(path, 256)
+    backend.script = ids(model, "a = 1", " junk", " more")
+    with serving(backend, model) as url:
+        assert complete(url, model).json()["choices"][0]["text"] == "a = 1"
     backend.script = ids(model, "done") + [tokenizer.token_to_id("<|endoftext|>")] + ids(model, "junk")
     with serving(backend, model) as url:
         answer = complete(url, model).json()
@@ -156,7 +165,7 @@ class FailingBackend:
     name, max_context = "failing", 256
 
     def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
-        yield 5
+        yield 300  # an ordinary token, then the failure
         raise RuntimeError("a bug in the engine")
 
 

@@ -10,8 +10,8 @@ Routes (`Gate` first checks the API key on all but /health and /openapi.json, an
 Every failure is OpenAI's error JSON with its status (errors.py): 400 malformed JSON, wrong types,
 unknown fields or a prompt that does not fit; 401 a missing or wrong key; 404 an unknown path or
 model; 405 a wrong method; 409 an /infill superseded by a newer one from the same client; 413 a
-body over MAX_BODY_BYTES; 503 a full queue (with Retry-After); 500 a bug, and the server keeps
-serving.
+body over MAX_BODY_BYTES; 501 chat with a model whose chat template does not compile; 503 a full
+queue (with Retry-After); 500 a bug, and the server keeps serving.
 
 A client is known by its address and User-Agent: a newer /infill asking for tokens from the same
 client cancels its older ones (an editor that moved on), queued or running.

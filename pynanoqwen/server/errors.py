@@ -17,6 +17,7 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     500: "server_error",
+    501: "server_error",  # the model file cannot do what was asked (a chat template that does not compile)
     503: "unavailable_error",
 }
 

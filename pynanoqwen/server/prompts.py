@@ -1,5 +1,5 @@
-"""Prompt layouts of the server's endpoints that `generate` does not have: the /infill prompt with
-repository context, and the tokens that end a fill-in-the-middle.
+"""The prompt layout of the server's endpoint that `generate` does not have: /infill's, with
+repository context. (What ends a fill-in-the-middle is the tokenizer's: tokenizer.STOP_TOKENS.)
 
 /infill lays its request out as llama.cpp's server does for a model with repository tokens, which
 is Qwen2.5-Coder's repository-level completion format (its model card):
@@ -22,13 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX, Tokenizer
+from ..tokenizer import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 
 REPO_NAME, FILE_SEP = "<|repo_name|>", "<|file_sep|>"
 REPO_PLACEHOLDER, FILE_PLACEHOLDER, CHUNK_PLACEHOLDER = "myproject", "filename", "tmp"
-# Tokens after which a fill-in-the-middle is finished, besides the tokenizer's stop tokens: the
-# model pads the middle, or starts the next file or repository of its training layout.
-FIM_END_TOKENS = ("<|fim_pad|>", REPO_NAME, FILE_SEP)
 
 
 def infill_prompt(input_prefix: str, input_suffix: str, input_extra: Sequence[dict], prompt: str) -> str:
@@ -39,8 +36,3 @@ def infill_prompt(input_prefix: str, input_suffix: str, input_extra: Sequence[di
     return (f"{REPO_NAME}{REPO_PLACEHOLDER}\n{files}{FILE_SEP}{FILE_PLACEHOLDER}\n"
             f"{FIM_PREFIX}{input_prefix}{prompt}{FIM_SUFFIX}{input_suffix}{FIM_MIDDLE}")
 
-
-def fim_stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """The ids that end a fill-in-the-middle: the tokenizer's stop ids and FIM_END_TOKENS."""
-    ends = {tokenizer.token_to_id(token) for token in FIM_END_TOKENS}
-    return tokenizer.stop_ids | frozenset(i for i in ends if i is not None)

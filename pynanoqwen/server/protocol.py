@@ -29,7 +29,7 @@ from ..generate import build_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .errors import ApiError
-from .prompts import CHUNK_PLACEHOLDER, fim_stop_ids, infill_prompt
+from .prompts import CHUNK_PLACEHOLDER, infill_prompt
 from .scheduler import GenerationRequest
 from .schema import (Anything, Bool, Choice, Field, Int, ListOf, MapOf, Neutral, Nullable, Number, Object, OneOf,
                      Str, fields, text_list)
@@ -111,6 +111,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_context: int
     vocab_size: int
+    chat_error: str | None = None  # why the file's chat template cannot be used, if it cannot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,16 +174,18 @@ def completion_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply
     else:
         text = prompt if isinstance(prompt, str) else prompt[0]
         prompt_ids = tokenizer.encode(build_prompt(tokenizer, text, chat=False, system=None, fim_suffix=suffix))
-    stop_ids = fim_stop_ids(tokenizer) if suffix is not None else tokenizer.stop_ids
     request = GenerationRequest(prompt_ids, openai_sampling(body), budget(prompt_ids, body["max_tokens"], model,
                                                                           "prompt"),
-                                stop_ids, text_list(body["stop"]))
+                                tokenizer.stop_ids, text_list(body["stop"]))
     return request, Reply("completion", body["stream"], _include_usage(body))
 
 
 def chat_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     body = CHAT.check(body, "")
     check_model(body, model)
+    if model.chat_error:
+        raise ApiError(501, f"This model cannot chat: {model.chat_error}. /v1/completions and /infill work.",
+                       code="chat_template_error")
     messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
                  else "\n".join(part["text"] for part in m["content"])} for m in body["messages"]]
     tokenizer = model.tokenizer
@@ -203,7 +206,7 @@ def infill_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     seed = body["seed"] if body["seed"] != -1 else secrets.randbits(63)
     params = SamplingParams(body["temperature"], body["top_k"], body["top_p"], seed).validate()
     request = GenerationRequest(prompt_ids, params, budget(prompt_ids, n_predict, model, "input_prefix", "n_predict"),
-                                fim_stop_ids(tokenizer), text_list(body["stop"]), body["n_indent"],
+                                tokenizer.stop_ids, text_list(body["stop"]), body["n_indent"],
                                 body["t_max_predict_ms"], body["cache_prompt"])
     return request, Reply("infill", body["stream"], response_fields=tuple(body["response_fields"] or ()),
                           return_tokens=body["return_tokens"], supersedes=body["n_predict"] != 0)

@@ -18,12 +18,12 @@ from pathlib import Path
 import uvicorn
 
 from ..cpu_pages import PagedCpuBackend
-from ..errors import NanoQwenError
+from ..errors import FormatError, NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..generate import DEFAULT_MAX_CONTEXT, CpuBackend, load_backend, resolve_device, resolve_model
 from ..prefix_cache import PrefixCache
 from ..sampling import SamplingParams
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, compile_chat_template
 from .app import build_app
 from .metrics import Metrics
 from .protocol import ModelInfo
@@ -76,18 +76,29 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def model_info(path: Path, max_context: int) -> ModelInfo:
-    """What the routes need of the model file at `path`: its tokenizer and context, without loading it."""
+    """What the routes need of the model file at `path`, without loading its weights: the tokenizer
+    (with the file's end-of-generation ids), the context, and whether its chat template compiles
+    (files converted before convert checked templates may hold one that does not; such a file still
+    serves completions and /infill)."""
     with NanoQwenFile(path, verify_data=False) as f:
-        config = f.config
-        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, bos_token_id=config.bos_token_id,
-                                              eos_token_id=config.eos_token_id)
-    return ModelInfo(path.stem, tokenizer, min(max_context, config.max_position_embeddings), config.vocab_size)
+        config, template, chat_error = f.config, f.chat_template, None
+        if template is not None:
+            try:
+                compile_chat_template(template)
+            except FormatError as err:
+                template, chat_error = None, str(err)
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, template, bos_token_id=config.bos_token_id,
+                                              eos_token_id=config.eos_token_id, extra_eos_ids=f.extra_eos_ids)
+    return ModelInfo(path.stem, tokenizer, min(max_context, config.max_position_embeddings), config.vocab_size,
+                     chat_error)
 
 
 def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
                on_status: Callable[[str], None]):
     """(backend, ModelInfo) for the model file at `path` on `device`, ready to serve."""
     model = model_info(path, max_context)
+    if model.chat_error:
+        on_status(f"warning: {model.chat_error}: /v1/chat/completions is refused, completions and /infill work")
     on_status(f"loading {path} ({path.stat().st_size / 1e6:.1f} MB, context {model.max_context}) on "
               f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}")
     backend = load_backend(path, device, model.max_context)
