@@ -57,7 +57,8 @@ def test_bench_without_a_gpu_says_so_once_the_settings_are_good():
     (["info"], "'FILE'"),
     (["info", "/"], "is a directory"),
     (["generate", "--no-such-option", "x"], "--no-such-option"),
-    (["serve"], "'serve'"),
+    (["serve", "--port", "eighty"], "'--port'"),
+    (["frobnicate"], "'frobnicate'"),
 ])
 def test_what_click_parses_is_one_line_too(args, culprit):
     """Click's wording changes between its versions; what must hold is one line naming the culprit
