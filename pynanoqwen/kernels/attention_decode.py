@@ -27,16 +27,17 @@ high part and an FP16 remainder, and both halves go through the mma, whose produ
 whose sums are float32; the result is rounded once, to FP16, at the end.
 
 Inside a block (warp specialisation):
-- the producer warp (the last) streams the split's pages into a ring of STAGES pages: for page i,
-  lane 0 waits until stage i % STAGES is free (`empty` mbarrier) and announces the page's bytes on
-  the stage's `full` mbarrier, then each of the 32 lanes issues one `cp.async.bulk` of a 256-byte
-  K row (lanes 0-15) or V row (16-31); rows past the context are written as zeros instead (the
-  cache holds anything there, and P V would form 0 * NaN). Row by row, so that each smem row can be padded from 64 to
-  68 words: the 8 rows one ldmatrix matrix reads then fall in 8 different 16-byte bank groups
-  (a 256-byte row stride puts all 8 in one, an 8-way conflict).
+- the producer warp (the last; its lane 0) streams the split's pages into a ring of STAGES pages:
+  for page i it waits until stage i % STAGES is free (`empty` mbarrier), announces the page's
+  bytes on the stage's `full` mbarrier and issues two `cp.async.bulk` copies, the K tile and the V
+  tile of (page, g), 4 KiB each. Whole tiles, not rows: a version that copied 32 padded 256-byte
+  rows per page (to spare ldmatrix its bank conflicts) ran at ~1.8 us a page, bound by the copy
+  engine's per-request cost (docs/PERFORMANCE.md). The price is an 8-way bank conflict in each
+  ldmatrix (the 8 rows of a matrix are 256 bytes apart): ~512 shared-memory cycles a page.
 - consumer warp w takes pages w, w + CONSUMERS, ... (STAGES is a multiple of CONSUMERS, so each
-  stage serves one consumer, two pages ahead at the defaults): waits for the page's `full` phase, computes S,
-  masks keys past the context, updates its own online softmax (running max and sum of each head,
+  stage serves one consumer, two pages ahead at the defaults): waits for the page's `full` phase,
+  zeroes the V rows past the context (the cache holds anything there, NaN included, and P V would
+  form 0 * NaN), computes S, masks keys past the context, updates its own online softmax (running max and sum of each head,
   float32), adds P V into its float32 accumulators, and its 32 lanes arrive on the stage's `empty`
   barrier once their ldmatrix reads are done.
 - then the consumers' (max, sum, acc) meet in shared memory and the block writes one partial per
@@ -48,9 +49,8 @@ at once, through L2 with `ld.global.cg`: other blocks wrote them), writes attn a
 counter for the next launch. Programmatic dependent launch (ptx/griddep.py): barriers are set up
 before grid_dependency_wait; everything else waits for q and the K/V of this position.
 
-Shared memory (dynamic): the ring, 2 x STAGES x 16 x 68 words (69.6 KiB at 8 stages, head_dim
-128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
-merge's weights (2 x group x num_splits floats): ~86 KiB.
+Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (64 KiB at 8 stages, head_dim 128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
+merge's weights (2 x group x num_splits floats): ~80 KiB.
 
 Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
 DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
@@ -86,7 +86,6 @@ STAGES = 8  # pages in the ring: two per consumer, so each one's next page is on
 MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
 MERGE_UNROLL = 8  # split partials whose loads the merge keeps in flight together
 MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen2.5: 5..8)
-ROW_PAD_WORDS = 4  # smem K/V rows padded by 16 bytes: ldmatrix's 8 row addresses in 8 bank groups
 U = np.uint32
 
 
@@ -122,7 +121,7 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
 
 def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consumers: int) -> dict[str, int]:
     """Word offsets of the dynamic shared memory's parts, and its size in bytes ("bytes")."""
-    page_words = PAGE_SIZE * (head_dim // 2 + ROW_PAD_WORDS)
+    page_words = PAGE_SIZE * head_dim // 2
     ring = stages * page_words
     layout = {"k_ring": 0, "v_ring": ring, "partial_acc": 2 * ring}
     layout["partial_max"] = layout["partial_acc"] + consumers * group * head_dim
@@ -138,10 +137,9 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
     WARPS = consumers + 1
     PRODUCER_WARP = consumers
     THREADS = 32 * WARPS
-    ROW_WORDS = head_dim // 2
-    SMEM_ROW_WORDS = ROW_WORDS + ROW_PAD_WORDS
-    PAGE_WORDS = PAGE_SIZE * SMEM_ROW_WORDS
-    ROW_BYTES = 2 * head_dim
+    ROW_WORDS = SMEM_ROW_WORDS = head_dim // 2
+    PAGE_WORDS = PAGE_SIZE * ROW_WORDS
+    PAGE_BYTES = 4 * PAGE_WORDS  # one (page, kv head) K or V tile: 4 KiB at head_dim 128
     DIM_STEPS = head_dim // 16  # k steps of Q K^T
     DIM_NTILES = head_dim // 8  # n tiles of O
     DIM_QUADS = head_dim // 4
@@ -192,36 +190,26 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         num_pages = max(0, min(pages_used - first_page, pages_per_split))
 
         if warp == PRODUCER_WARP:
-            row = lane % PAGE_SIZE
-            ring = K_RING if lane < PAGE_SIZE else V_RING
             for i in range(num_pages):
-                stage = i % stages
                 if i % 32 == 0:
-                    # The next 32 page-table entries in one load per lane, through shared memory:
-                    # a load per page put an L2 round trip between every two pages' copies.
+                    # The next 32 page-table entries, one load per lane, through shared memory: a
+                    # load per page would put an L2 round trip between every two pages' copies.
                     entry = page_table[first_page + i + lane] if i + lane < num_pages else 0
-                    syncwarp()  # every lane has read the previous 32
+                    syncwarp()  # lane 0 is done with the previous 32
                     pages_ahead[lane] = entry
                     syncwarp()
-                at = ring + stage * PAGE_WORDS + row * SMEM_ROW_WORDS
-                valid = min(PAGE_SIZE, context - (first_page + i) * PAGE_SIZE)  # rows inside the context
                 if lane == 0:
+                    stage = i % stages
                     # Fill i // stages of this stage needs its consumer's release of the previous
                     # fill; on the first round parity 1 names the phase before phase 0, complete.
                     mbarrier_wait(empty, stage, ((i // stages) & 1) ^ 1)
-                syncwarp()
-                if row >= valid:
-                    # Past the context the cache holds anything, NaN included, and P V would form
-                    # 0 * NaN: such rows are zeros in shared memory, never copied.
-                    for w in range(ROW_WORDS):
-                        words[at + w] = U(0)
-                syncwarp()  # the zeros are ordered before lane 0's arrive, which publishes them
-                if lane == 0:
-                    mbarrier_arrive_expect_tx(full, stage, 2 * valid * ROW_BYTES)
-                if row < valid:
                     page = pages_ahead[i % 32]
-                    source = k_pages[page, kv_head, row] if lane < PAGE_SIZE else v_pages[page, kv_head, row]
-                    bulk_copy_to_shared(words[at:at + ROW_WORDS], source, ROW_BYTES, full, stage)
+                    mbarrier_arrive_expect_tx(full, stage, 2 * PAGE_BYTES)
+                    at = stage * PAGE_WORDS
+                    bulk_copy_to_shared(words[K_RING + at:K_RING + at + PAGE_WORDS], k_pages[page, kv_head],
+                                        PAGE_BYTES, full, stage)
+                    bulk_copy_to_shared(words[V_RING + at:V_RING + at + PAGE_WORDS], v_pages[page, kv_head],
+                                        PAGE_BYTES, full, stage)
         else:
             # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
             # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1 (rows gid + 8 are zero).
@@ -247,6 +235,13 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 stage = i % stages
                 mbarrier_wait(full, stage, (i // stages) & 1)
                 base = stage * PAGE_WORDS
+                valid = context - (first_page + i) * PAGE_SIZE  # keys of this page inside the context
+                if valid < PAGE_SIZE:
+                    # Past the context the cache holds anything, NaN included, and P V would form
+                    # 0 * NaN: those V rows become zeros (this warp owns the stage until it releases it).
+                    for w in range(lane, (PAGE_SIZE - valid) * ROW_WORDS, 32):
+                        words[V_RING + base + valid * ROW_WORDS + w] = U(0)
+                    syncwarp()
                 # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
                 # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
                 for j in range(2):
@@ -264,9 +259,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                         d0, d1, _, _ = mma_m16n8k16(q_lo[a + 2], NONE, q_lo[a + 3], NONE, b2, b3, d0, d1, ZERO,
                                                     ZERO)
                     s[2 * j], s[2 * j + 1] = c0 + d0, c1 + d1
-                # Keys past the context (the tail of the last page): scores -inf, weights 0; their
-                # K and V rows are zeros in shared memory (the producer never copies them).
-                valid = context - (first_page + i) * PAGE_SIZE
+                # Keys past the context (the tail of the last page): scores -inf, weights 0.
                 if valid < PAGE_SIZE:
                     for e in range(4):
                         if 8 * (e // 2) + 2 * tq + e % 2 >= valid:

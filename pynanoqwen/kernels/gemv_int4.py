@@ -137,14 +137,18 @@ class GemvPlan:
         return max(1, -(-(-(-tiles // rounds)) // self.warps))
 
 
-ROPE_PLAN = GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=1)  # QKV with RoPE: row pairs (d, d + head_dim/2)
+ROPE_PLAN = GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)  # QKV with RoPE: row pairs (d, d + head_dim/2)
 
 
 def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
-    """The plan the engine uses for an N x K linear (`matrices` 2 for gate/up): 8 loads of 16
-    bytes in flight per lane, 16 warps per SM (docs/PERFORMANCE.md has the sweep behind it)."""
-    rows = 1 if matrices == 2 or n < 8192 else 2
-    return GemvPlan(rows=rows, depth=min(MAX_DEPTH, 8 // (rows * matrices)))
+    """The plan the engine uses for an N x K linear (`matrices` 2 for gate/up), the fastest of
+    dev/gemv_plans.py's sweep at each 7B shape (docs/PERFORMANCE.md): 8 loads of 16 bytes in flight
+    per lane; a long K (down_proj) keeps 4 rows a warp on one block an SM."""
+    if matrices == 2:
+        return GemvPlan(rows=1, depth=4, warps=8, blocks_per_sm=2)
+    if k >= 8192:
+        return GemvPlan(rows=4, depth=2, warps=8, blocks_per_sm=1)
+    return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)
 
 
 def _half2(value: float) -> np.uint32:
