@@ -1,7 +1,7 @@
 """The prefix cache: which KV pages of earlier requests a new prompt can reuse, on any backend.
 
 A backend keeps its KV cache in pages of `page_size` positions drawn from a pool of `num_pages`
-(the GPU engine's page pool, docs/DECODE.md; the CPU reference's page copies, generate.CpuBackend).
+(the GPU engine's page pool, docs/DECODE.md; the CPU reference's page copies, cpu_pages.py).
 After a request, every full page whose KV is reusable stays in the pool, keyed by a hash chain of
 the tokens it encodes: key(page i) = H(key(page i - 1), tokens of page i), so a key names the whole
 prefix up to the end of its page, and the KV of a position depends only on that prefix (attention
