@@ -99,8 +99,13 @@ class CpuBackend:
     def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
                  stop_ids: frozenset[int]) -> Iterator[int]:
         self.model.reset()
+        yield from self.decode(self.model.forward(prompt_ids, last_only=True)[-1], params, max_new_tokens, stop_ids)
+
+    def decode(self, logits: np.ndarray, params: SamplingParams, max_new_tokens: int,
+               stop_ids: frozenset[int]) -> Iterator[int]:
+        """The generation after the prompt ran: sample from the prompt's last `logits`, then run
+        each sampled token through the model for the next, as `generate` describes."""
         rng = np.random.default_rng(params.seed)
-        logits = self.model.forward(prompt_ids, last_only=True)[-1]
         for step in range(max_new_tokens):
             token = sample(logits, params, rng)
             yield token

@@ -178,3 +178,29 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
     if json_path:
         write_json(result, json_path)
         click.echo(f"[bench] wrote {json_path}", err=True)
+
+
+@main.command()
+@click.option("--model", "model", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="The .nanoqwen model to serve. [default: the embedded tiny-coder]")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Run on the GPU engine or the numpy reference. [default: cuda if a GPU is found]")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 opens the server to the network.")
+@click.option("--port", type=int, default=8080, show_default=True, help="TCP port; 0 picks a free one.")
+@click.option("--max-context", type=int, default=32768, show_default=True,
+              help="Context of every request in tokens (capped by the model's max_position_embeddings).")
+@click.option("--api-key", default=None, metavar="KEY", envvar="PYNANOQWEN_API_KEY",
+              help="Require `Authorization: Bearer KEY` on every request but /health (or set PYNANOQWEN_API_KEY).")
+@click.option("--max-queue", type=int, default=8, show_default=True,
+              help="Requests that may wait behind the running one; beyond them, 503 with Retry-After.")
+@click.option("--no-prefix-cache", is_flag=True, help="Reuse no KV pages of earlier requests: prefill every prompt.")
+@click.option("--skip-selfcheck", is_flag=True,
+              help="On the GPU, skip the check of one decode step against the numpy reference before serving.")
+def serve(model, device, host, port, max_context, api_key, max_queue, no_prefix_cache, skip_selfcheck):
+    """Serve the model over HTTP: OpenAI's /v1/completions and /v1/chat/completions, llama.cpp's /infill."""
+    from .server.run import ServeOptions, serve as run_server
+
+    options = ServeOptions(model=model, device=device, host=host, port=port, max_context=max_context, api_key=api_key,
+                           max_queue=max_queue, prefix_cache=not no_prefix_cache, self_check=not skip_selfcheck)
+    run_server(options, on_status=lambda line: click.echo(line, err=True))

@@ -313,6 +313,19 @@ class ReferenceModel:
         self.k_cache = np.zeros(shape, dtype=np.float32)
         self.v_cache = np.zeros(shape, dtype=np.float32)
 
+    def load_kv(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Start from a KV cache that already holds positions 0..p-1: k, v float32
+        [num_layers, p, num_kv_heads, head_dim], e.g. pages a prefix cache kept. The next forward
+        runs at position p."""
+        p = k.shape[1]
+        if p > self.max_context:
+            raise NanoQwenError(f"{p} cached positions exceed max_context {self.max_context}")
+        self.reset()
+        self._grow_kv_cache(p)
+        self.k_cache[:, :p] = k
+        self.v_cache[:, :p] = v
+        self.position = p
+
     def forward(self, tokens: Sequence[int], *, last_only: bool = False) -> np.ndarray:
         """Run `tokens` at positions position.. and append them to the KV cache.
 

@@ -1,0 +1,214 @@
+"""What `serve` adds to a generation, measured over HTTP on localhost; writes a markdown table and JSON.
+
+    python bench/server_latency.py --model FILE [--device cuda|cpu] [--json out.json]
+    python bench/server_latency.py --device cpu --prompt-tokens 64 --gen-tokens 16 --context-tokens 200
+
+1. Overhead. The same prompt ids run `repeats` times through the backend in this process
+   (loaded as `serve` loads it, run as its engine runs it: generate_paged with a page lease where
+   the backend has it, else generate, timed as `generate` times it) and through the server
+   (a `serve` subprocess on a free port; streamed /v1/completions with the prompt as token ids,
+   timed at the client from sending the request to each event), in turns. TTFT and ITL are
+   medians; the overhead is server minus direct. Every repeat's prompt starts with a different
+   token, so no run reuses another's KV pages, and both paths prefill every token.
+2. Prefix cache. An /infill with ~`context_tokens` of repository context, sent once, then again
+   `repeats` times with only the current line (`prompt`, at the end) changed: TTFT of those, the
+   prompt tokens the server actually computed (timings.prompt_n), and the same request with
+   cache_prompt: false for comparison.
+3. Cancellation. A long streamed generation is dropped after a few tokens; the server's own
+   figure (pynanoqwen_cancel_latency_seconds: from noticing the disconnect to the engine being
+   free) and the client's: TTFT of a one-token request sent right after the drop, minus its TTFT
+   on the idle server.
+
+Greedy decoding throughout. The direct and server runs load the same file on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pynanoqwen.bench import git_commit
+from pynanoqwen.generate import resolve_device, resolve_model
+from pynanoqwen.prefix_cache import PrefixCache
+from pynanoqwen.sampling import SamplingParams
+from pynanoqwen.server.run import load_model
+
+GREEDY = SamplingParams()
+
+
+def prompt_of(tokenizer, tokens: int, first: int) -> list[int]:
+    """`tokens` ids of Python source, starting with id `first` (a different first token per run)."""
+    source = "".join(f"def step_{i}(state, value):\n    state.total += value * {i}\n    return state\n\n"
+                     for i in range(tokens))
+    return [first] + tokenizer.encode(source)[:tokens - 1]
+
+
+class Direct:
+    """The backend in this process, run as the server's engine runs it."""
+
+    def __init__(self, backend, tokenizer):
+        self.backend, self.stop_ids = backend, tokenizer.stop_ids
+        self.cache = PrefixCache(backend.num_pages, backend.page_size) if hasattr(backend, "generate_paged") else None
+
+    def stamps(self, prompt: list[int], gen_tokens: int) -> list[float]:
+        """Seconds from the call to each generated token."""
+        lease = self.cache.lease(prompt, len(prompt) + gen_tokens) if self.cache else None
+        start = time.perf_counter()
+        tokens = (self.backend.generate_paged(prompt, GREEDY, gen_tokens, self.stop_ids, lease) if lease
+                  else self.backend.generate(prompt, GREEDY, gen_tokens, self.stop_ids))
+        stamps = [time.perf_counter() - start for _ in tokens]
+        if lease:
+            self.cache.commit(lease, prompt)
+        return stamps
+
+
+def streamed(http: httpx.Client, path: str, body: dict) -> tuple[list[float], dict]:
+    """Seconds from sending the request to each data event, and the last event's JSON."""
+    start = time.perf_counter()
+    stamps, last = [], {}
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter() - start)
+                last = json.loads(line[6:])
+    return stamps, last
+
+
+def overhead_times(direct: Direct, http, model_id, prompts, gen_tokens) -> dict[str, tuple[list, list]]:
+    """TTFTs and inter-token latencies of both paths, run in turns so that both see the same machine;
+    the first prompt warms both up and is not counted."""
+    times = {"direct": ([], []), "server": ([], [])}
+    for i, prompt in enumerate(prompts):
+        body = {"model": model_id, "prompt": prompt, "max_tokens": gen_tokens, "temperature": 0}
+        runs = {"direct": direct.stamps(prompt, gen_tokens),
+                "server": streamed(http, "/v1/completions", body)[0][:-1]}  # the last event: finish_reason
+        for side, stamps in runs.items():
+            if i:
+                times[side][0].append(stamps[0])
+                times[side][1].extend(b - a for a, b in zip(stamps, stamps[1:]))
+    return times
+
+
+def infill_times(http, tokenizer, context_tokens, repeats) -> dict:
+    chunk = "".join(f"def helper_{i}(x, y):\n    return (x + {i}) * y\n\n" for i in range(context_tokens))
+    ids = tokenizer.encode(chunk)
+    body = {"input_extra": [{"filename": "helpers.py", "text": tokenizer.decode(ids[:context_tokens - 40])}],
+            "input_prefix": "import helpers\n\n\ndef main():\n", "input_suffix": "", "n_predict": 4,
+            "temperature": 0}
+    streamed(http, "/infill", {**body, "prompt": "    start = helpers.helper_0(1, 2)"})  # fills the cache
+
+    def line(i):  # the edited current line: the only text that differs between requests
+        return f"    result_{i} = helpers.helper_{i}(start, {i})"
+
+    warm, cold, computed, prompt_tokens = [], [], [], 0
+    for i in range(1, repeats + 1):
+        stamps, last = streamed(http, "/infill", {**body, "prompt": line(i)})
+        warm.append(stamps[0])
+        computed.append(last["timings"]["prompt_n"])
+        prompt_tokens = last["tokens_evaluated"]
+        stamps, _ = streamed(http, "/infill", {**body, "prompt": line(i) + " ", "cache_prompt": False})
+        cold.append(stamps[0])
+    return {"prompt_tokens": prompt_tokens, "computed_tokens": statistics.median(computed),
+            "ttft_ms": 1000 * statistics.median(warm), "ttft_ms_without_cache": 1000 * statistics.median(cold)}
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(f"^{re.escape(name)} (\\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def cancel_times(http, url, model_id, prompt, max_context, repeats) -> dict:
+    short = {"model": model_id, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    idle = statistics.median(streamed(http, "/v1/completions", short)[0][0] for _ in range(repeats))
+    after = []
+    before = http.get("/metrics").text
+    for _ in range(repeats):
+        long = {**short, "max_tokens": max_context - len(prompt), "stream": True}
+        with httpx.Client(base_url=url, timeout=600) as dropped, dropped.stream("POST", "/v1/completions",
+                                                                               json=long) as response:
+            response.raise_for_status()
+            for _, _ in zip(range(8), response.iter_lines()):  # 4 events: 4 tokens generated
+                pass
+        after.append(streamed(http, "/v1/completions", short)[0][0])
+    now = http.get("/metrics").text
+    count, total = (metric(now, f"pynanoqwen_cancel_latency_seconds_{part}")
+                    - metric(before, f"pynanoqwen_cancel_latency_seconds_{part}") for part in ("count", "sum"))
+    return {"server_ms": 1000 * total / count if count else None, "cancelled": count,
+            "client_visible_ms": 1000 * (statistics.median(after) - idle)}
+
+
+def start_server(model: Path, device: str, max_context: int, skip_selfcheck: bool):
+    command = [sys.executable, "-m", "pynanoqwen", "serve", "--model", str(model), "--device", device, "--port", "0",
+               "--max-context", str(max_context)] + (["--skip-selfcheck"] if skip_selfcheck else [])
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    for line in server.stderr:
+        print(f"[serve] {line.rstrip()}", file=sys.stderr)
+        found = re.search(r"at (http://\S+):", line)
+        if found:
+            return server, found.group(1)
+    raise SystemExit(f"serve exited with code {server.wait()} before printing its URL")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="a .nanoqwen file [default: the embedded tiny-coder]")
+    parser.add_argument("--device", choices=["cuda", "cpu"])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--context-tokens", type=int, default=4000, help="repository context of the /infill test")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-selfcheck", action="store_true")
+    parser.add_argument("--json", dest="json_path", help="also write every figure to this file")
+    args = parser.parse_args(argv)
+    model_path = resolve_model(args.model)
+    device = resolve_device(args.device, lambda line: print(line, file=sys.stderr))
+    max_context = max(args.prompt_tokens + args.gen_tokens, args.context_tokens + 256)
+    backend, info = load_model(model_path, device, max_context, self_check=False,
+                               on_status=lambda line: print(f"[direct] {line}", file=sys.stderr))
+    tokenizer, max_context = info.tokenizer, info.max_context
+    prompts = [prompt_of(tokenizer, args.prompt_tokens, first) for first in range(10, 12 + args.repeats)]
+    server, url = start_server(model_path, device, max_context, args.skip_selfcheck)
+    try:
+        with httpx.Client(base_url=url, timeout=600) as http:
+            times = overhead_times(Direct(backend, tokenizer), http, info.id, prompts[1:], args.gen_tokens)
+            infill = infill_times(http, tokenizer, min(args.context_tokens, max_context - 64), args.repeats)
+            cancel = cancel_times(http, url, info.id, prompts[0][:16], max_context, args.repeats)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
+    result = {
+        "model": str(model_path), "device": device, "git_commit": git_commit(), "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+        **{side: {"ttft_ms": ms(ttfts), "itl_ms": ms(itls)} for side, (ttfts, itls) in times.items()},
+        "infill_prefix_cache": infill, "cancellation": cancel,
+    }
+    result["overhead"] = {key: result["server"][key] - result["direct"][key] for key in ("ttft_ms", "itl_ms")}
+    rows = [("TTFT, direct / server / overhead (ms)", f"{result['direct']['ttft_ms']:.3f} / "
+             f"{result['server']['ttft_ms']:.3f} / {result['overhead']['ttft_ms']:.3f}"),
+            ("ITL, direct / server / overhead (ms)", f"{result['direct']['itl_ms']:.4f} / "
+             f"{result['server']['itl_ms']:.4f} / {result['overhead']['itl_ms']:.4f}"),
+            (f"/infill TTFT, {infill['prompt_tokens']} prompt tokens, {infill['computed_tokens']:.0f} computed (ms)",
+             f"{infill['ttft_ms']:.2f} (without the cache: {infill['ttft_ms_without_cache']:.2f})"),
+            ("cancellation, server / client-visible (ms)",
+             f"{cancel['server_ms']:.2f} / {cancel['client_visible_ms']:.2f}" if cancel["server_ms"] is not None
+             else "no cancellation seen")]
+    print(f"| {model_path.name} on {device} | |\n| --- | --- |")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

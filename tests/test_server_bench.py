@@ -1,0 +1,26 @@
+"""bench/server_latency.py runs end to end on the CPU with the embedded model and writes its JSON
+(the GPU figures come from the same script on the GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "server_latency.py"
+
+
+def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("server_latency", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "server.json"
+    bench.main(["--device", "cpu", "--prompt-tokens", "32", "--gen-tokens", "6", "--context-tokens", "150",
+                "--repeats", "2", "--json", str(out)])
+    result = json.loads(out.read_text())
+    for side in ("direct", "server"):
+        assert result[side]["ttft_ms"] > 0 and result[side]["itl_ms"] > 0
+    infill = result["infill_prefix_cache"]
+    assert infill["prompt_tokens"] >= 140 and 0 < infill["computed_tokens"] < infill["prompt_tokens"] - 100
+    assert result["cancellation"]["cancelled"] == 2 and result["cancellation"]["server_ms"] > 0
+    assert "| /infill TTFT" in capsys.readouterr().out

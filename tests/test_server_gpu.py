@@ -1,0 +1,39 @@
+"""`serve` on the GPU engine with the embedded model (skipped without an sm_90 GPU): what it sends
+is what `generate` writes on the same engine, streamed or not, and a dropped stream frees it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.backends import load_backend
+from pynanoqwen.generate import generate
+from pynanoqwen.sampling import SamplingParams
+from pynanoqwen.server.run import load_model
+from server_harness import CONTEXT, metric, serving
+
+pytestmark = pytest.mark.gpu
+PROMPT = "def fibonacci(n):\n"
+
+
+def test_serve_on_the_gpu_engine_writes_what_generate_writes():
+    backend, model = load_model(Path(EMBEDDED_MODEL), "cuda", CONTEXT, self_check=True, on_status=print)
+    ids = model.tokenizer.encode(PROMPT)
+    direct = load_backend(Path(EMBEDDED_MODEL), "cuda", CONTEXT)
+    expected = generate(direct, model.tokenizer, ids, SamplingParams(), 32, on_text=lambda text: None).text
+    with serving(backend, model) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=32, temperature=0)
+        chunks = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=32, temperature=0, stream=True)
+        assert whole.choices[0].text == expected == "".join(c.choices[0].text for c in chunks)
+        body = {"model": model.id, "prompt": PROMPT, "max_tokens": CONTEXT - len(ids), "stream": True}
+        with httpx.Client(base_url=url) as http:
+            with http.stream("POST", "/v1/completions", json=body) as stream:
+                for _ in zip(range(4), stream.iter_lines()):
+                    pass
+            assert client.completions.create(model=model.id, prompt=PROMPT, max_tokens=2).usage.completion_tokens
+            assert metric(http.get("/metrics").text, "pynanoqwen_cancelled_requests_total", reason="disconnect") == 1
