@@ -6,7 +6,7 @@ copy). At 7B that is 152064 x 3584 x 2 B = 1.09 GB per token, 3.6x the INT4 lm_h
 only has to stream it at memory speed, with float32 accumulation.
 
 Launch shape: 256 threads (8 warps) per block, each warp owns R consecutive rows (R = 4 when that
-still gives an H200's 132 SMs 16 warps each, else 2 or 1: `default_rows_per_warp`). Lane L reads 16-byte chunks
+still gives every SM 16 warps, else 2 or 1: `default_rows_per_warp`). Lane L reads 16-byte chunks
 c = L, L + 32, ... of its rows (8 weights each, `ld.global.nc.v4.u32`: a warp step reads 512
 contiguous bytes per row), unpacks the half2 words to float32 and multiplies by x, staged once
 per block in shared memory as float32. Chunk c's inputs 8c .. 8c+7 sit at xs[9c .. 9c+7] (one
@@ -25,6 +25,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.core import types
 
+from ..device import sm_count
 from ..launch import launch
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import half2_to_float2
@@ -34,12 +35,14 @@ from . import CompileTarget, on_device
 
 WARPS_PER_BLOCK = 8
 THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
-TARGET_WARPS = 132 * 16  # 4 rows per warp only while the matrix still fills an H200 with 16 warps an SM
+WARPS_PER_SM = 16  # 4 rows per warp only while the matrix still gives every SM 16 warps
 
 
-def default_rows_per_warp(n: int) -> int:
+def default_rows_per_warp(n: int, sms: int | None = None) -> int:
+    """Rows per warp for N rows on a GPU of `sms` SMs (this one's by default)."""
+    target = WARPS_PER_SM * (sm_count() if sms is None else sms)
     for rows in (4, 2):
-        if n % rows == 0 and n // rows >= TARGET_WARPS:
+        if n % rows == 0 and n // rows >= target:
             return rows
     return 1
 
@@ -119,7 +122,7 @@ def fp16_gemv_bytes(n: int, k: int) -> int:
 def compile_targets() -> list[CompileTarget]:
     """The 7B and 0.5B-tied lm_head shapes and a tiny one."""
     signature = types.void(types.uint32[::1], types.float16[::1], types.float32[::1])
-    return [CompileTarget(f"gemv_fp16[{name} {n}x{k}]", gemv_fp16_kernel(n, k, default_rows_per_warp(n)),
+    return [CompileTarget(f"gemv_fp16[{name} {n}x{k}]", gemv_fp16_kernel(n, k, default_rows_per_warp(n, 132)),
                           signature, ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32"))
             for name, n, k in (("lm_head 7b", 152064, 3584), ("lm_head 0.5b", 151936, 896),
                                ("tiny", 64, 256))]

@@ -29,9 +29,9 @@ the same whether a prompt ran batched or token by token from the same qkv.
 Launch: grid (num_heads + 2 num_kv_heads, R), head_dim / 2 threads (36 x R blocks of 64 at 7B).
 Block (b, i) handles head b (q heads, then k heads, then v heads) of row i; thread t the pair
 (t, t + head_dim / 2). Traffic at 7B per row: 18 KiB of qkv read, 14 KiB of q and 4 KiB of K/V
-written; at R = 512, 18 MB per layer (~4 us at 4.3 TB/s); for one token it is launch latency.
-Measured on the H200 (bench's kernel table, 7B, decode): 1.55 us a launch (43.4 us for the 28 of a
-step), with the kernel's earlier decode-only form; this merged form has not run on the GPU yet.
+written; at R = 512, 18 MB per layer (~4 us at 4.3 TB/s). The decode step no longer launches it:
+the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py); `launch`
+(one row) remains for validate's unit check of this kernel. Measured figures: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations

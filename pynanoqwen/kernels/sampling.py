@@ -36,8 +36,8 @@ finaliser. No generator state advances, so a given seed and prompt give the same
 graph and eager mode, and the GPU and CPU samplers agree on the distribution, not the sequence.
 
 Traffic: the logits, 0.6 MB at vocab 152064, read once by each method (the candidate lists,
-256 KiB, stay in L2). Measured on the H200 (bench's kernel table, 7B): argmax 6.6-7.2 us (~90 GB/s:
-one block, latency-bound); the candidates method not yet.
+256 KiB, stay in L2). Argmax should take a few us (one block finishes it: latency-bound); bench's
+kernel table measures it, docs/PERFORMANCE.md has the figures.
 
 Device parameters: `sampling` float32 [2] = (1 / temperature, 0 for greedy; top_p),
 `top_k` int32 [1] (0: no limit), `seed` uint64 [1].

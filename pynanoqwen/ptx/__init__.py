@@ -7,14 +7,15 @@ string, the way numba-cuda's own `cache_hints.py` is written; the docstring says
 which section of the PTX ISA it comes from. One module per instruction family:
 
     prmt.py   prmt.b32 byte permute                       (PTX ISA, Data Movement: prmt)
-    loads.py  ld.global.nc.v4.u32 16-byte read-only load  (PTX ISA, Data Movement: ld.global.nc)
+    loads.py  ld.global.nc.v4.u32 16-byte read-only load, ld.global.cg (L2 only) (PTX ISA: ld)
     dp4a.py   dp4a.s32.s32 four-way int8 dot product      (PTX ISA, Integer Arithmetic: dp4a)
     half2.py  fma.rn.f16x2, half2 -> float32 unpack       (PTX ISA, Half Precision: fma; cvt)
-    warp.py   shfl.sync.bfly.b32, warp sum / max          (PTX ISA, Data Movement: shfl.sync)
+    warp.py   shfl.sync.bfly.b32, warp sum / max, bar.warp.sync (PTX ISA: shfl.sync, bar.warp.sync)
     bulk_copy.py, mbarrier.py: the attention kernel's TMA copies (owned by the attention author).
     mma.py    mma.sync m16n8k16, ldmatrix, ld.shared.v4, cp.async: the tensor-core GEMM's feed
     wgmma.py  wgmma.mma_async (A in registers, B by a swizzled shared-memory descriptor), its
               fences and waits: the prefill GEMM on Hopper (sm_90a)
+    griddep.py griddepcontrol.wait / launch_dependents: programmatic dependent launch (launch.py)
 
 How a primitive gets its simulator twin
 --------------------------------------
