@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from pynanoqwen.data import EMBEDDED_MODEL
-from pynanoqwen.fileformat import NanoQwenFile, NanoQwenWriter
+from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.filewriter import NanoQwenWriter
 from pynanoqwen.backends import CpuBackend
 from pynanoqwen.generate import generate
 from pynanoqwen.reference import ReferenceModel

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pynanoqwen.data import EMBEDDED_MODEL
-from pynanoqwen.generate import cuda_gpu_available
+from pynanoqwen.device import cuda_gpu_available
 
 
 def run_module(*args) -> subprocess.CompletedProcess:

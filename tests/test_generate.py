@@ -15,6 +15,8 @@ from click.testing import CliRunner
 
 from pynanoqwen import backends, device
 from pynanoqwen import generate as gen
+from pynanoqwen.backends import CpuBackend
+from pynanoqwen.device import cuda_gpu_available
 from pynanoqwen.checkpoint import make_checkpoint
 from pynanoqwen.cli import main
 from pynanoqwen.convert import convert_checkpoint
@@ -394,14 +396,14 @@ def test_generation_stops_at_every_end_of_generation_special_token(tokenizer, to
     """Qwen2.5-Coder's FIM completions end with one of these; they used to be printed."""
     stop = tokenizer.token_to_id(token)
     word = tokenizer.encode(" hello")
-    result = gen.generate(gen.CpuBackend(ScriptedModel(word + [stop, 50], 2048, 64)), tokenizer, [10, 11],
+    result = gen.generate(CpuBackend(ScriptedModel(word + [stop, 50], 2048, 64)), tokenizer, [10, 11],
                           SamplingParams(), 100, lambda text: None)
     assert result.tokens == word + [stop] and result.stop_reason == "stop token" and result.text == " hello"
 
 
 def test_device_cuda_without_a_gpu_says_nothing_about_the_model_first():
     """The embedded model's status line used to come first, naming "the GPU engine", then the error."""
-    if gen.cuda_gpu_available():
+    if cuda_gpu_available():
         pytest.skip("a GPU is present")
     one_error_line(run_module("generate", "--device", "cuda", "def f():"),
                    r"^error: no CUDA GPU found; use --device cpu$")

@@ -17,13 +17,46 @@ from numba.cuda.extending import intrinsic
 
 from . import simulator_twin
 
-_QUAD = types.UniTuple(types.uint32, 4)
+def _element_address(context, builder, sig, args):
+    """The address of array[index] for an intrinsic called as (array, index)."""
+    array_type, index_type = sig.args
+    ary = context.make_array(array_type)(context, builder, value=args[0])
+    index = context.cast(builder, args[1], index_type, types.intp)
+    return cgutils.get_item_pointer(context, builder, array_type, ary, [index])
+
+
+def _load(instruction: str, register: str, llvm_type, count: int, side_effect: bool):
+    """codegen of one `count`-wide load instruction: its values as a tuple (or one value)."""
+
+    def codegen(context, builder, sig, args):
+        address = _element_address(context, builder, sig, args)
+        outputs = ", ".join(f"${i}" for i in range(count))
+        result = llvm_type if count == 1 else ir.LiteralStructType([llvm_type] * count)
+        text = f"{instruction} {{{outputs}}}, [${count}];" if count > 1 else f"{instruction} $0, [$1];"
+        constraints = ",".join([f"={register}"] * count + ["l"] + (["~{memory}"] if side_effect else []))
+        loaded = builder.call(ir.InlineAsm(ir.FunctionType(result, [address.type]), text, constraints,
+                                           side_effect=side_effect), [address])
+        if count == 1:
+            return loaded
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(count)])
+
+    return codegen
+
+
+def _is_vector(array, dtype, index) -> bool:
+    return (isinstance(array, types.Array) and array.dtype == dtype and array.ndim == 1
+            and isinstance(index, types.Integer))
+
+
+def _aligned(name: str, index) -> int:
+    index = int(index)
+    if index % 4:
+        raise RuntimeError(f"{name}: index {index} is not 16-byte aligned")
+    return index
 
 
 def ld_global_nc_v4_u32_simulated(array, index):
-    index = int(index)
-    if index % 4:
-        raise RuntimeError(f"ld_global_nc_v4_u32: word index {index} is not 16-byte aligned")
+    index = _aligned("ld_global_nc_v4_u32", index)
     return (array[index], array[index + 1], array[index + 2], array[index + 3])
 
 
@@ -35,34 +68,13 @@ def ld_global_nc_v4_u32(typingctx, array, index):
     `index` must be a multiple of 4 (the load is 16-byte aligned); no bounds check, as on any
     GPU load. `ld.global.nc.v4.u32 {d0, d1, d2, d3}, [address]`.
     """
-    if not (isinstance(array, types.Array) and array.dtype == types.uint32 and array.ndim == 1
-            and isinstance(index, types.Integer)):
+    if not _is_vector(array, types.uint32, index):
         return None
-
-    def codegen(context, builder, sig, args):
-        array_type, index_type = sig.args
-        array_value, index_value = args
-        ary = context.make_array(array_type)(context, builder, value=array_value)
-        index_value = context.cast(builder, index_value, index_type, types.intp)
-        address = cgutils.get_item_pointer(context, builder, array_type, ary, [index_value])
-        i32 = ir.IntType(32)
-        quad = ir.LiteralStructType([i32, i32, i32, i32])
-        asm = ir.InlineAsm(ir.FunctionType(quad, [address.type]),
-                           "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-        loaded = builder.call(asm, [address])
-        words = [builder.extract_value(loaded, i) for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, words)
-
-    return _QUAD(array, index), codegen
-
-
-_FLOAT4 = types.UniTuple(types.float32, 4)
+    return types.UniTuple(types.uint32, 4)(array, index), _load("ld.global.nc.v4.u32", "r", ir.IntType(32), 4, False)
 
 
 def ld_global_cg_v4_f32_simulated(array, index):
-    index = int(index)
-    if index % 4:
-        raise RuntimeError(f"ld_global_cg_v4_f32: index {index} is not 16-byte aligned")
+    index = _aligned("ld_global_cg_v4_f32", index)
     return tuple(float(array[index + i]) for i in range(4))
 
 
@@ -71,27 +83,11 @@ def ld_global_cg_v4_f32_simulated(array, index):
 def ld_global_cg_v4_f32(typingctx, array, index):
     """(array[index], ..., array[index + 3]) of a 1-D float32 array, one 16-byte load cached in L2
     only: `ld.global.cg.v4.f32`. For data other blocks of the same kernel wrote (and fenced), which
-    the read-only `.nc` path and L1 may not see. `index` must be a multiple of 4."""
-    if not (isinstance(array, types.Array) and array.dtype == types.float32 and array.ndim == 1
-            and isinstance(index, types.Integer)):
+    the read-only `.nc` path and L1 may not see. `index` must be a multiple of 4. Marked as having
+    side effects, so that it stays after the fence and atomic that publish the data."""
+    if not _is_vector(array, types.float32, index):
         return None
-
-    def codegen(context, builder, sig, args):
-        array_type, index_type = sig.args
-        array_value, index_value = args
-        ary = context.make_array(array_type)(context, builder, value=array_value)
-        index_value = context.cast(builder, index_value, index_type, types.intp)
-        address = cgutils.get_item_pointer(context, builder, array_type, ary, [index_value])
-        f32 = ir.FloatType()
-        quad = ir.LiteralStructType([f32, f32, f32, f32])
-        asm = ir.InlineAsm(ir.FunctionType(quad, [address.type]),
-                           "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l,~{memory}",
-                           side_effect=True)
-        loaded = builder.call(asm, [address])
-        values = [builder.extract_value(loaded, i) for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, values)
-
-    return _FLOAT4(array, index), codegen
+    return types.UniTuple(types.float32, 4)(array, index), _load("ld.global.cg.v4.f32", "f", ir.FloatType(), 4, True)
 
 
 def ld_global_cg_f32_simulated(array, index):
@@ -103,18 +99,6 @@ def ld_global_cg_f32_simulated(array, index):
 def ld_global_cg_f32(typingctx, array, index):
     """array[index] of a 1-D float32 array, cached in L2 only: `ld.global.cg.f32` (see
     ld_global_cg_v4_f32)."""
-    if not (isinstance(array, types.Array) and array.dtype == types.float32 and array.ndim == 1
-            and isinstance(index, types.Integer)):
+    if not _is_vector(array, types.float32, index):
         return None
-
-    def codegen(context, builder, sig, args):
-        array_type, index_type = sig.args
-        array_value, index_value = args
-        ary = context.make_array(array_type)(context, builder, value=array_value)
-        index_value = context.cast(builder, index_value, index_type, types.intp)
-        address = cgutils.get_item_pointer(context, builder, array_type, ary, [index_value])
-        asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [address.type]), "ld.global.cg.f32 $0, [$1];",
-                           "=f,l,~{memory}", side_effect=True)
-        return builder.call(asm, [address])
-
-    return types.float32(array, index), codegen
+    return types.float32(array, index), _load("ld.global.cg.f32", "f", ir.FloatType(), 1, True)
