@@ -100,6 +100,7 @@ class _WarpRendezvous:
         self.width = width
         self.ready = threading.Condition()
         self.operands = [None] * width
+        self.arrived_in = [-1] * width  # the generation each lane last arrived for (the deadlock message)
         self.results = [None, None]
         self.arrived = 0
         self.generation = 0
@@ -108,6 +109,7 @@ class _WarpRendezvous:
         with self.ready:
             generation = self.generation
             self.operands[lane] = operands
+            self.arrived_in[lane] = generation
             self.arrived += 1
             if self.arrived == self.width:
                 self.results[generation % 2] = compute(self.operands)
@@ -115,8 +117,9 @@ class _WarpRendezvous:
                 self.generation += 1
                 self.ready.notify_all()
             elif not self.ready.wait_for(lambda: self.generation != generation, timeout=DEADLOCK_SECONDS):
+                missing = [other for other in range(self.width) if self.arrived_in[other] != generation]
                 raise RuntimeError(f"{instruction}: lane {lane} waited {DEADLOCK_SECONDS:.0f} s for the rest "
-                                   f"of its {self.width} threads")
+                                   f"of its {self.width} threads; lanes {missing} never arrived")
             return self.results[generation % 2][lane]
 
 

@@ -226,7 +226,7 @@ def test_qkv_rope_kv_write(path):
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
     rng = np.random.default_rng()
-    heads, kv_heads, hd, k, pages = 4, 2, 64, 256, 5
+    heads, kv_heads, hd, k, pages = 2, 1, 64, 256, 5  # two query heads per KV head, as in grouped attention
     n = (heads + 2 * kv_heads) * hd
     qweight, scales, w = random_linear(rng, n, k)
     bias = rng.standard_normal(n).astype(np.float16)
