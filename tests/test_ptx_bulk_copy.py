@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda, types
 
-from pynanoqwen.ptx import mbarrier
+from pynanoqwen.ptx import rendezvous
 from pynanoqwen.ptx.bulk_copy import BULK_COPY_ALIGNMENT, bulk_copy_to_shared, bulk_copy_to_shared_simulated
 from pynanoqwen.ptx.mbarrier import (complete_tx_simulated, fence_barrier_init, mbarrier_arrive,
                                      mbarrier_arrive_expect_tx, mbarrier_arrive_expect_tx_simulated,
@@ -69,8 +69,9 @@ def test_mbarrier_twin_rejects_extra_arrivals_and_reports_deadlock(monkeypatch):
     mbarrier_arrive_expect_tx_simulated(bars, 0, 16)  # the phase waits for 16 bytes
     with pytest.raises(RuntimeError, match="more arrivals"):
         mbarrier_arrive_simulated(bars, 0)
-    monkeypatch.setattr(mbarrier, "DEADLOCK_SECONDS", 0.05)
-    with pytest.raises(RuntimeError, match="deadlocked"):
+    monkeypatch.setattr(rendezvous, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(rendezvous, "STUCK_SECONDS", 0.05)
+    with pytest.raises(RuntimeError, match="parity 0 never completed: deadlock"):
         mbarrier_try_wait_parity_simulated(bars, 0, 0)
 
 

@@ -121,14 +121,3 @@ def test_16_byte_twins_reject_misaligned_or_outside_accesses():
     with pytest.raises(RuntimeError, match="src-size"):
         cp_async_16_simulated(words, 0, words, 0, 17)
 
-
-def test_rendezvous_names_the_lanes_that_never_arrived(monkeypatch):
-    """A warp-cooperative twin whose group never completes reports which lanes are missing, so a
-    simulated deadlock points at the diverged threads rather than the lane that waited."""
-    from pynanoqwen.ptx import mma
-    from pynanoqwen.ptx.mma import _WarpRendezvous
-
-    monkeypatch.setattr(mma, "DEADLOCK_SECONDS", 0.05)
-    rendezvous = _WarpRendezvous(width=4)
-    with pytest.raises(RuntimeError, match=r"lane 2 waited 0 s for the rest of its 4 threads; lanes \[0, 1, 3\]"):
-        rendezvous.meet("wgmma", 2, (1,), lambda operands: operands)

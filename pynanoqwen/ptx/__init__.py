@@ -16,6 +16,8 @@ which section of the PTX ISA it comes from. One module per instruction family:
     wgmma.py  wgmma.mma_async (A in registers, B by a swizzled shared-memory descriptor), its
               fences and waits: the prefill GEMM on Hopper (sm_90a)
     griddep.py griddepcontrol.wait / launch_dependents: programmatic dependent launch (launch.py)
+    rendezvous.py how the twins of the cooperative instructions and of mbarrier waits meet other
+              simulated threads, and when a simulated wait is a deadlock (simulator only)
 
 How a primitive gets its simulator twin
 --------------------------------------

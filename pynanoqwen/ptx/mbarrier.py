@@ -54,6 +54,7 @@ from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic
 
 from . import simulator_twin
+from .rendezvous import wait_for
 
 ADDRSPACE_SHARED = 3  # NVVM's address space for __shared__ memory
 MAX_COUNT = 2**20 - 1  # largest arrival count and tx-count an mbarrier holds (PTX ISA, mbarrier)
@@ -89,7 +90,6 @@ def inline_ptx(builder, text, constraints, operands, result=ir.VoidType()):
 
 _state_changed = threading.Condition()
 _TX_BIAS = 2**22
-DEADLOCK_SECONDS = 60.0  # a simulated wait this long means the pipeline can never go on
 
 
 def _unpack(word) -> tuple[int, int, int, int]:
@@ -150,9 +150,7 @@ def mbarrier_try_wait_parity_simulated(bars, index, parity):
         return _unpack(bars[index])[3] != (int(parity) & 1)
 
     with _state_changed:
-        if not _state_changed.wait_for(phase_done, timeout=DEADLOCK_SECONDS):
-            raise RuntimeError(f"mbarrier {index}: phase with parity {parity} never completed "
-                               f"({DEADLOCK_SECONDS:.0f} s): the pipeline is deadlocked")
+        wait_for(_state_changed, phase_done, lambda: f"mbarrier {index}: phase with parity {parity} never completed")
     return True
 
 

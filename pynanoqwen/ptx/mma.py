@@ -47,8 +47,8 @@ LLVM keeps them where the kernel put them (after the barrier that publishes the 
 out of the k loop); ptxas still schedules them freely.
 
 Simulator twins (NUMBA_ENABLE_CUDASIM=1). mma and ldmatrix are warp-cooperative: a lane's result
-depends on the other 31 lanes' operands. As warp.py does for shuffles, every simulated warp gets a
-meeting point: each lane deposits its operands, the last of the 32 to arrive computes the whole
+depends on the other 31 lanes' operands. Their lanes meet at the warp's rendezvous (rendezvous.py), as
+warp.py's shuffles do: each lane deposits its operands, the last of the 32 to arrive computes the whole
 warp's result (`mma_m16n8k16_warp`: D = A B + C in float64 over the 16x16x8 product, rounded once
 to float32; `ldmatrix_x4_warp`) and wakes the others, and each lane takes its part. All 32 lanes
 must execute the instruction together, as on the GPU (`.aligned`); a partial warp raises. The
@@ -71,6 +71,7 @@ from numba.cuda.extending import intrinsic
 
 from . import SIMULATOR, simulator_twin
 from .mbarrier import inline_ptx, shared_address
+from .rendezvous import cooperate
 
 ADDRSPACE_GLOBAL = 1  # NVVM's address space for global memory
 
@@ -83,67 +84,6 @@ _U32x4 = types.UniTuple(types.uint32, 4)
 
 
 # --- Simulator twins --------------------------------------------------------------------------
-
-class _WarpRendezvous:
-    """Where the lanes of one simulated warp meet for a warp-cooperative instruction (simulator only).
-
-    One wait per instruction: every lane deposits its operands under the lock; the 32nd to arrive
-    computes the whole warp's result, bumps the generation and wakes the others, who take their
-    part. Results alternate between two buffers, so a fast lane may already deposit for the next
-    instruction while a slow one still reads this one's result: the buffer it reads is overwritten
-    only when the instruction after next completes, which needs the slow lane's deposit first.
-    (warp.py's shuffles use two barrier waits per instruction; in the simulator every wait costs
-    milliseconds, and a GEMM tile is mostly mma instructions.)
-    """
-
-    def __init__(self, width: int = 32):
-        self.width = width
-        self.ready = threading.Condition()
-        self.operands = [None] * width
-        self.arrived_in = [-1] * width  # the generation each lane last arrived for (the deadlock message)
-        self.results = [None, None]
-        self.arrived = 0
-        self.generation = 0
-
-    def meet(self, instruction: str, lane: int, operands, compute):
-        with self.ready:
-            generation = self.generation
-            self.operands[lane] = operands
-            self.arrived_in[lane] = generation
-            self.arrived += 1
-            if self.arrived == self.width:
-                self.results[generation % 2] = compute(self.operands)
-                self.arrived = 0
-                self.generation += 1
-                self.ready.notify_all()
-            elif not self.ready.wait_for(lambda: self.generation != generation, timeout=DEADLOCK_SECONDS):
-                missing = [other for other in range(self.width) if self.arrived_in[other] != generation]
-                raise RuntimeError(f"{instruction}: lane {lane} waited {DEADLOCK_SECONDS:.0f} s for the rest "
-                                   f"of its {self.width} threads; lanes {missing} never arrived")
-            return self.results[generation % 2][lane]
-
-
-DEADLOCK_SECONDS = 60.0  # a lane waiting this long waits for a lane that died or diverged
-_rendezvous_lock = threading.Lock()
-
-
-def _cooperate(instruction: str, operands, compute, width: int = 32):
-    """This thread's part of compute(all `width` threads' operands), compute run once per group:
-    a warp (32) for mma and ldmatrix, a warpgroup (128, ptx/wgmma.py) for wgmma."""
-    thread = threading.current_thread()
-    block = thread._manager  # the simulator's BlockManager: a new one runs each block
-    group, lane = divmod(thread.thread_id, width)
-    with _rendezvous_lock:
-        groups = block.__dict__.setdefault(f"_pynanoqwen_rendezvous_{width}", {})
-        if group not in groups:
-            threads_in_block = int(np.prod(block._block_dim))
-            if threads_in_block < width * (group + 1):
-                raise RuntimeError(f"{instruction}: group {group} has {threads_in_block - width * group} threads; "
-                                   f"all {width} must take part")
-            groups[group] = _WarpRendezvous(width)
-        rendezvous = groups[group]
-    return rendezvous.meet(instruction, lane, operands, compute)
-
 
 def _halves(words) -> np.ndarray:
     """uint32 words -> their FP16 halves, low half first: shape [..., 2]."""
@@ -188,7 +128,7 @@ def ldmatrix_x4_warp(rows: list, trans: bool = False) -> list:
 
 
 def mma_m16n8k16_simulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    return _cooperate("mma.sync", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), mma_m16n8k16_warp)
+    return cooperate("mma.sync", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), mma_m16n8k16_warp)
 
 
 def _check_16_byte_access(instruction: str, array, index) -> int:
@@ -202,12 +142,12 @@ def _check_16_byte_access(instruction: str, array, index) -> int:
 
 def ldmatrix_x4_simulated(tile, index):
     index = _check_16_byte_access("ldmatrix", tile, index)
-    return _cooperate("ldmatrix", (tile, index), ldmatrix_x4_warp)
+    return cooperate("ldmatrix", (tile, index), ldmatrix_x4_warp)
 
 
 def ldmatrix_x4_trans_simulated(tile, index):
     index = _check_16_byte_access("ldmatrix.trans", tile, index)
-    return _cooperate("ldmatrix.trans", (tile, index), lambda rows: ldmatrix_x4_warp(rows, trans=True))
+    return cooperate("ldmatrix.trans", (tile, index), lambda rows: ldmatrix_x4_warp(rows, trans=True))
 
 
 def ld_shared_v4_u32_simulated(tile, index):

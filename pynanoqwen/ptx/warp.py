@@ -11,67 +11,39 @@ Contract, on the GPU and in the simulator alike: all 32 lanes of the warp call t
 (full member mask 0xffffffff), so call these from warp-uniform control flow only.
 
 Simulator design. numba-cuda's simulator runs each CUDA thread as a Python thread and has
-`syncthreads` but no shuffles. The twin gives every simulated warp an exchange: 32 slots and a
-`threading.Barrier` for the warp's lanes. A shuffle writes its value into its lane's slot, waits
-for the other lanes, reads its partner's slot, and waits again so no lane overwrites a slot that a
-slower lane has still to read. Only the warp's own lanes synchronise, as on the GPU, so a kernel
-whose warps diverge at block level (one warp reducing while others wait at `syncthreads`) runs
-there as it does on hardware. A partner lane that does not exist (a partial last warp) is a bug the
-GPU would hide as undefined data; the simulator raises instead.
+`syncthreads` but no shuffles. A shuffle's lanes meet at their warp's rendezvous (rendezvous.py):
+each deposits its value and lane mask, the last to arrive hands every lane its partner's value.
+Only the warp's own lanes synchronise, as on the GPU, so a kernel whose warps diverge at block level
+(one warp reducing while others wait at `syncthreads`) runs there as it does on hardware. A partner
+lane that does not exist (a partial last warp) is a bug the GPU would hide as undefined data; the
+simulator raises instead.
 """
 
 from __future__ import annotations
-
-import threading
 
 from llvmlite import ir
 from numba import cuda, types
 from numba.cuda.extending import intrinsic
 
 from . import simulator_twin
+from .rendezvous import cooperate
 
 FULL_WARP = 0xFFFFFFFF
 
 
-class _WarpExchange:
-    """Slots and a barrier for the lanes of one simulated warp (simulator only)."""
-
-    def __init__(self, lanes: int):
-        self.slots = [None] * lanes
-        # A lane that waits a minute is waiting for a lane that died (its exception is reported by
-        # the simulator); breaking the barrier lets the waiting Python threads end too.
-        self.barrier = threading.Barrier(lanes, timeout=60)
-
-
-_exchanges_lock = threading.Lock()
-
-
-def _warp_exchange(thread) -> _WarpExchange:
-    """The exchange of the simulated warp `thread` belongs to; one set per simulated block."""
-    block = thread._manager  # the simulator's BlockManager: a new one runs each block
-    warp = thread.thread_id // 32
-    with _exchanges_lock:
-        exchanges = block.__dict__.setdefault("_pynanoqwen_warp_exchanges", {})
-        if warp not in exchanges:
-            threads_in_block = 1
-            for extent in block._block_dim:
-                threads_in_block *= extent
-            exchanges[warp] = _WarpExchange(min(32, threads_in_block - 32 * warp))
-        return exchanges[warp]
+def _exchange(lanes: list) -> list:
+    """What shfl.sync.bfly hands each lane: lanes[L] = (value, lane_mask) of lane L."""
+    received = []
+    for lane, (_, lane_mask) in enumerate(lanes):
+        partner = lane ^ int(lane_mask)
+        if partner >= len(lanes):
+            raise RuntimeError(f"shfl_xor: lane {lane} reads lane {partner}, which this warp does not have")
+        received.append(lanes[partner][0])
+    return received
 
 
 def shfl_xor_simulated(x, lane_mask):
-    thread = threading.current_thread()
-    exchange = _warp_exchange(thread)
-    lane = thread.thread_id % 32
-    partner = lane ^ int(lane_mask)
-    if partner >= len(exchange.slots):
-        raise RuntimeError(f"shfl_xor: lane {lane} reads lane {partner}, which this warp does not have")
-    exchange.slots[lane] = x
-    exchange.barrier.wait()
-    value = exchange.slots[partner]
-    exchange.barrier.wait()
-    return value
+    return cooperate("shfl.sync.bfly", (x, lane_mask), _exchange, partial=True)
 
 
 _SHFL_REGISTER = {types.float32: "f", types.int32: "r", types.uint32: "r"}
@@ -124,7 +96,7 @@ def warp_max(x):
 
 
 def syncwarp_simulated():
-    _warp_exchange(threading.current_thread()).barrier.wait()
+    cooperate("bar.warp.sync", None, lambda lanes: [None] * len(lanes), partial=True)
 
 
 @simulator_twin(syncwarp_simulated)

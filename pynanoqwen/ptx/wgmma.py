@@ -63,7 +63,8 @@ from numba.cuda.extending import intrinsic
 
 from . import simulator_twin
 from .mbarrier import inline_ptx, shared_address
-from .mma import _cooperate, _element_pointer, _halves, _is_words
+from .rendezvous import cooperate
+from .mma import _element_pointer, _halves, _is_words
 
 SWIZZLE_ATOM_BYTES = 1024  # 8 rows of 128 bytes: the 128-byte swizzle pattern repeats after this
 ROW_BYTES = 128  # one row's 64-wide FP16 k slab
@@ -118,7 +119,7 @@ def wgmma_f16_simulated(acc, n, a0, a1, a2, a3, tile, index):
     n = int(n)
     if n not in SHAPES_N:
         raise RuntimeError(f"wgmma: n = {n} is not one of {SHAPES_N}")
-    mine = _cooperate("wgmma", (np.array(acc[:n // 2]), a0, a1, a2, a3, tile, index),
+    mine = cooperate("wgmma", (np.array(acc[:n // 2]), a0, a1, a2, a3, tile, index),
                       lambda lanes: wgmma_warpgroup(lanes, n), width=WARPGROUP)
     acc[:n // 2] = mine
 

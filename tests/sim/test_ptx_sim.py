@@ -80,3 +80,29 @@ def test_the_one_int4_unpack_matches_the_reference_pair_by_pair():
         for j, constants in enumerate(PAIR_CONSTANTS):
             pair = np.array([unpack_pair(word, *constants)], np.uint32).view(np.float16)
             assert np.array_equal(pair, codes[2 * j:2 * j + 2])
+
+
+@cuda.jit
+def one_lane_raises_while_its_warp_waits(out):
+    i = cuda.grid(1)
+    if i == 7:
+        out[1000] = 1.0  # out of bounds: the simulator raises in this thread only
+    out[i] = warp_sum(out[i])
+
+
+def test_a_failed_kernel_leaves_no_thread_and_no_swapped_module_behind():
+    """Lane 7 raises; the other 31 wait for it at the shuffle. The simulator reports the IndexError at
+    once, and the waiting lanes must end within seconds (the block was aborted), after which the
+    kernel's module has numba's `cuda` again, so the next kernel can be built (ptx/rendezvous.py)."""
+    import time
+
+    import numba.cuda
+    import pynanoqwen.ptx.warp as warp_module
+    from simulated import join_simulated_threads
+
+    with pytest.raises(IndexError):
+        one_lane_raises_while_its_warp_waits[1, 32](np.zeros(32, np.float32))
+    started = time.monotonic()
+    assert join_simulated_threads(30) == []
+    assert time.monotonic() - started < 10
+    assert warp_module.cuda is numba.cuda and globals()["cuda"] is numba.cuda
