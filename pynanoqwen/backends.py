@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .reference import ReferenceModel
+from .prompt_lookup import Drafter, LookupParams, LookupStats, accept_greedy, accept_sampled
 from .sampling import SamplingParams, sample
 
 Probe = dict  # {(layer or None, stage): {buffer name: host array}}: what each launch of a probe wrote
@@ -33,6 +34,9 @@ class Backend(Protocol):
     after yielding an id in `stop_ids` (that id is yielded, so the caller can tell why it stopped).
     The caller guarantees len(prompt_ids) + max_new_tokens <= max_context and params.validate().
     Sampling is seeded once per call from params.seed: the same call gives the same tokens.
+    `lookup` turns on prompt-lookup speculative decoding (prompt_lookup.py); a backend that has no
+    verify pass for it raises NanoQwenError when it is enabled. `lookup_stats` then holds what it
+    did in the latest generation (None without lookup).
     """
 
     name: str  # starts the summary line, e.g. "cpu (numpy reference)"
@@ -43,7 +47,7 @@ class Backend(Protocol):
         the time to first token (the GPU engine compiles and captures its prefill graphs)."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]: ...
+                 stop_ids: frozenset[int], lookup: LookupParams = LookupParams()) -> Iterator[int]: ...
 
     def close(self) -> None:
         """Give back what the backend holds beyond garbage-collected memory (CUDA graphs)."""
@@ -90,28 +94,54 @@ class CpuBackend:
     name = "cpu (numpy reference)"
 
     def __init__(self, model):
-        self.model = model  # a reference.ReferenceModel, or anything with its forward/reset
+        self.model = model  # a reference.ReferenceModel, or anything with its forward/reset/rewind
         self.max_context = model.max_context
+        self.lookup_stats: LookupStats | None = None
 
     def prepare(self, prompt_tokens: int, params: SamplingParams) -> None:
         """Nothing to do ahead: numpy compiles nothing."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]:
+                 stop_ids: frozenset[int], lookup: LookupParams = LookupParams()) -> Iterator[int]:
         self.model.reset()
-        yield from self.decode(self.model.forward(prompt_ids, last_only=True)[-1], params, max_new_tokens, stop_ids)
+        logits = self.model.forward(prompt_ids, last_only=True)[-1]
+        yield from self.decode(logits, params, max_new_tokens, stop_ids, prompt_ids, lookup)
 
     def decode(self, logits: np.ndarray, params: SamplingParams, max_new_tokens: int,
-               stop_ids: frozenset[int]) -> Iterator[int]:
+               stop_ids: frozenset[int], prompt_ids: list[int], lookup: LookupParams) -> Iterator[int]:
         """The generation after the prompt ran: sample from the prompt's last `logits`, then run
-        each sampled token through the model for the next, as `generate` describes."""
+        each sampled token through the model for the next, as `generate` describes; with lookup,
+        each pass runs the sampled token and a draft from the context (prompt_lookup.py)."""
         rng = np.random.default_rng(params.seed)
-        for step in range(max_new_tokens):
-            token = sample(logits, params, rng)
-            yield token
-            if token in stop_ids or step + 1 == max_new_tokens:
-                return
-            logits = self.model.forward([token])[-1]
+        self.lookup_stats = LookupStats() if lookup.enabled else None
+        drafter = Drafter(lookup, prompt_ids) if lookup.enabled else None
+        new = [sample(logits, params, rng)]
+        produced = 0
+        while True:
+            for token in new:
+                yield token
+                produced += 1
+                if token in stop_ids or produced == max_new_tokens:
+                    return
+            if drafter is None:
+                new = [sample(self.model.forward([new[-1]])[-1], params, rng)]
+                continue
+            drafter.extend(new)
+            # The last sampled token, and a draft short enough that all of it plus the model's own
+            # token fits the budget and the cache.
+            limit = min(max_new_tokens - produced - 1, self.max_context - self.model.position - 1)
+            draft = drafter.propose(limit)
+            if not draft:
+                new = [sample(self.model.forward([new[-1]])[-1], params, rng)]
+                self.lookup_stats.plain_steps += 1
+                continue
+            start = self.model.position
+            rows = self.model.forward([new[-1]] + draft, row_by_row=True)
+            new = accept_greedy(draft, rows) if params.greedy else accept_sampled(draft, rows, params, rng)
+            self.model.rewind(start + len(new))  # the last token and the accepted draft are cached
+            self.lookup_stats.verify_passes += 1
+            self.lookup_stats.drafted += len(draft)
+            self.lookup_stats.accepted += len(new) - 1
 
     def close(self) -> None:
         """The model reads its file's mmap, which the garbage collector closes."""

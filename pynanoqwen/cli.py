@@ -68,6 +68,15 @@ def verbose_option(command):
     return click.option("--verbose", is_flag=True, help="Show numba-cuda's warnings (hidden by default).")(command)
 
 
+def lookup_options(command):
+    """--prompt-lookup K and --lookup-ngram MIN:MAX (prompt_lookup.py), for generate and serve."""
+    command = click.option("--lookup-ngram", default="1:3", show_default=True, metavar="MIN:MAX",
+                           help="The n-gram lengths prompt lookup matches, longest first.")(command)
+    return click.option("--prompt-lookup", type=int, default=0, show_default=True, metavar="K",
+                        help="Prompt-lookup speculative decoding: draft up to K tokens from the context and verify "
+                             "them in one pass (0: off). Lossless; CPU reference only so far.")(command)
+
+
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", metavar="FILE", default=None,
@@ -83,6 +92,7 @@ def verbose_option(command):
 @click.option("--top-p", type=float, default=1.0, show_default=True,
               help="Sample among the fewest tokens whose probability reaches P.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@lookup_options
 @click.option("--chat/--raw", default=False, show_default=True,
               help="Wrap the prompt as a ChatML user turn, or feed it as is (completion).")
 @click.option("--system", default=None, metavar="TEXT", help="System message for --chat.")
@@ -97,16 +107,18 @@ def verbose_option(command):
               help="On the GPU, skip the check of one decode step and one prefill chunk against float64 before "
                    "generating.")
 @verbose_option
-def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, top_k, top_p, seed, chat, system,
-             fim_suffix, max_context, gemv, eager, skip_selfcheck, verbose):
+def generate(prompt, prompt_file, model, device, max_new_tokens, temperature, top_k, top_p, seed, prompt_lookup,
+             lookup_ngram, chat, system, fim_suffix, max_context, gemv, eager, skip_selfcheck, verbose):
     """Generate text after PROMPT, streaming it to stdout; a summary goes to stderr. The prompt
     itself is not printed again."""
     from .generate import GenerateOptions, run
+    from .prompt_lookup import lookup_params
     from .sampling import SamplingParams
 
     options = GenerateOptions(prompt=prompt, prompt_file=prompt_file, model=model, device=device,
                               max_new_tokens=max_new_tokens,
-                              sampling=SamplingParams(temperature, top_k, top_p, seed), chat=chat,
+                              sampling=SamplingParams(temperature, top_k, top_p, seed),
+                              lookup=lookup_params(prompt_lookup, lookup_ngram), chat=chat,
                               system=system, fim_suffix=fim_suffix, max_context=max_context, gemv=gemv,
                               eager=eager, self_check=not skip_selfcheck)
     with library_warnings(verbose):
@@ -197,10 +209,14 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
 @click.option("--no-prefix-cache", is_flag=True, help="Reuse no KV pages of earlier requests: prefill every prompt.")
 @click.option("--skip-selfcheck", is_flag=True,
               help="On the GPU, skip the check of one decode step against the numpy reference before serving.")
-def serve(model, device, host, port, max_context, api_key, max_queue, no_prefix_cache, skip_selfcheck):
+@lookup_options
+def serve(model, device, host, port, max_context, api_key, max_queue, no_prefix_cache, skip_selfcheck, prompt_lookup,
+          lookup_ngram):
     """Serve the model over HTTP: OpenAI's /v1/completions and /v1/chat/completions, llama.cpp's /infill."""
+    from .prompt_lookup import lookup_params
     from .server.run import ServeOptions, serve as run_server
 
     options = ServeOptions(model=model, device=device, host=host, port=port, max_context=max_context, api_key=api_key,
-                           max_queue=max_queue, prefix_cache=not no_prefix_cache, self_check=not skip_selfcheck)
+                           max_queue=max_queue, prefix_cache=not no_prefix_cache, self_check=not skip_selfcheck,
+                           lookup=lookup_params(prompt_lookup, lookup_ngram))
     run_server(options, on_status=lambda line: click.echo(line, err=True))

@@ -26,6 +26,7 @@ import numpy as np
 from .backends import CpuBackend
 from .kernels.page_alloc import PAGE_SIZE
 from .prefix_cache import PageLease
+from .prompt_lookup import LookupParams
 from .sampling import SamplingParams
 
 
@@ -42,7 +43,8 @@ class PagedCpuBackend(CpuBackend):
         self._pages: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # page id -> (k, v)
 
     def generate_paged(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                       stop_ids: frozenset[int], lease: PageLease) -> Iterator[int]:
+                       stop_ids: frozenset[int], lease: PageLease,
+                       lookup: LookupParams = LookupParams()) -> Iterator[int]:
         model, size = self.model, PAGE_SIZE
         cached = lease.cached_tokens
         if cached >= len(prompt_ids):
@@ -57,7 +59,7 @@ class PagedCpuBackend(CpuBackend):
             for start in range(cached, len(prompt_ids), size):
                 logits = model.forward(prompt_ids[start:start + size], last_only=True)[-1]
             lease.reusable = len(prompt_ids) // size * size
-            yield from self.decode(logits, params, max_new_tokens, stop_ids)
+            yield from self.decode(logits, params, max_new_tokens, stop_ids, prompt_ids, lookup)
         finally:  # also when the caller closes the generator early
             self._save_pages(lease, cached, model.position)
             lease.written = model.position

@@ -19,6 +19,7 @@ from .backends import Backend, load_backend
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .kernels import GEMV_PATHS
+from .prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams, LookupStats
 from .sampling import SamplingParams
 from .selfcheck import require_self_check
 from .tokenizer import Tokenizer
@@ -37,6 +38,7 @@ class GenerateOptions:
     device: str | None = None  # None: cuda if a GPU is present, else cpu
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = SamplingParams()
+    lookup: LookupParams = LookupParams()  # prompt-lookup speculative decoding, off by default
     chat: bool = False
     system: str | None = None
     fim_suffix: str | None = None
@@ -47,6 +49,7 @@ class GenerateOptions:
 
     def validate(self) -> "GenerateOptions":
         self.sampling.validate()
+        self.lookup.validate()
         if self.max_new_tokens < 1:
             raise NanoQwenError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context < 2:
@@ -96,6 +99,7 @@ class GenerationResult:
     stop_reason: str  # "stop token", "max-new-tokens" or "context full"
     time_to_first_token_s: float
     total_s: float
+    lookup: LookupStats | None = None  # what prompt lookup did, when it was on
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -107,7 +111,8 @@ class GenerationResult:
         rate = self.decode_tokens_per_s
         return (f"{self.prompt_tokens} prompt tokens, {len(self.tokens)} generated ({self.stop_reason}); "
                 f"time to first token {1000 * self.time_to_first_token_s:.1f} ms; "
-                + (f"{rate:.2f} tokens/s" if rate is not None else "tokens/s n/a (one token)"))
+                + (f"{rate:.2f} tokens/s" if rate is not None else "tokens/s n/a (one token)")
+                + (f"; {self.lookup.summary()}" if self.lookup is not None else ""))
 
 
 def build_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool, system: str | None,
@@ -129,7 +134,8 @@ def check_fits(prompt_tokens: int, max_context: int) -> None:
 
 
 def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
-             max_new_tokens: int, on_text: Callable[[str], None]) -> GenerationResult:
+             max_new_tokens: int, on_text: Callable[[str], None],
+             lookup: LookupParams = LookupParams()) -> GenerationResult:
     """Run one generation, calling `on_text` with each piece of finished text as it arrives."""
     check_fits(len(prompt_ids), backend.max_context)
     budget = min(max_new_tokens, backend.max_context - len(prompt_ids))
@@ -139,7 +145,7 @@ def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], para
     pieces: list[str] = []
     start = time.perf_counter()
     first = None
-    for token in backend.generate(prompt_ids, params, budget, stop_ids):
+    for token in backend.generate(prompt_ids, params, budget, stop_ids, lookup):
         if first is None:
             first = time.perf_counter()
         tokens.append(token)
@@ -159,7 +165,8 @@ def generate(backend: Backend, tokenizer: Tokenizer, prompt_ids: list[int], para
     else:
         reason = "max-new-tokens" if len(tokens) == max_new_tokens else "context full"
     return GenerationResult(len(prompt_ids), tokens, "".join(pieces), reason,
-                            (first if first is not None else end) - start, end - start)
+                            (first if first is not None else end) - start, end - start,
+                            backend.lookup_stats if lookup.enabled else None)
 
 
 def resolve_prompt(options: GenerateOptions) -> str:
@@ -224,6 +231,8 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                                                system=options.system, fim_suffix=options.fim_suffix))
     check_fits(len(prompt_ids), max_context)
     device = resolve_device(options.device, on_status)
+    if device == "cuda" and options.lookup.enabled:
+        raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
     # Loaded before the embedded model is described, so that --device cuda without a GPU fails
     # before a line that names "the GPU engine".
     backend = load_backend(model_path, device, max_context, options.gemv, options.eager)
@@ -235,7 +244,8 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
     if device == "cuda" and options.self_check:
         on_status(require_self_check(backend, model_path))
     backend.prepare(len(prompt_ids), options.sampling)
-    result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text)
+    result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text,
+                      options.lookup)
     on_text("\n")
     on_status(f"{backend.name}: {result.summary()}")
     return result

@@ -38,6 +38,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+from .prompt_lookup import LookupParams
 from .sampling import SamplingParams
 
 
@@ -80,7 +81,8 @@ class PagedBackend(Protocol):
     num_pages: int   # pages in the pool the lease's page ids index
 
     def generate_paged(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                       stop_ids: frozenset[int], lease: PageLease) -> Iterator[int]: ...
+                       stop_ids: frozenset[int], lease: PageLease,
+                       lookup: LookupParams = LookupParams()) -> Iterator[int]: ...
 
 
 @dataclasses.dataclass

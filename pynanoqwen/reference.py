@@ -326,23 +326,35 @@ class ReferenceModel:
         self.v_cache[:, :p] = v
         self.position = p
 
-    def forward(self, tokens: Sequence[int], *, last_only: bool = False) -> np.ndarray:
+    def forward(self, tokens: Sequence[int], *, last_only: bool = False, row_by_row: bool = False) -> np.ndarray:
         """Run `tokens` at positions position.. and append them to the KV cache.
 
         Returns float32 logits [len(tokens), vocab], or [1, vocab] for the last token only when
         last_only (what sampling after a long prompt needs, without a [prompt, vocab] array).
-        """
-        hidden = self.forward_hidden(tokens)
-        return self.logits(hidden[-1:] if last_only else hidden)
 
-    def forward_hidden(self, tokens: Sequence[int]) -> np.ndarray:
+        row_by_row: every matrix product on one row at a time, so that each row's logits are bit
+        for bit those of running the tokens one forward call each (numpy's float32 matmul rounds
+        differently for different numbers of rows). Prompt lookup's verify pass needs that to be
+        lossless; the layers are still dequantized once for all the rows.
+        """
+        hidden = self.forward_hidden(tokens, row_by_row=row_by_row)
+        return self.logits(hidden[-1:] if last_only else hidden, row_by_row=row_by_row)
+
+    def rewind(self, position: int) -> None:
+        """Forget positions position.. of the KV cache (a verify pass's rejected draft tokens): the
+        next forward runs at `position` and overwrites them."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot rewind to position {position}: the cache holds {self.position}")
+        self.position = position
+
+    def forward_hidden(self, tokens: Sequence[int], *, row_by_row: bool = False) -> np.ndarray:
         """Like forward, but returns the final-normed hidden states [len(tokens), hidden] (lm_head input)."""
         ids = self._check_tokens(tokens)
         cfg = self.config
         start, end = self.position, self.position + len(ids)
         self._grow_kv_cache(end)
         x = np.asarray(self.weights.tensor("model.embed_tokens.weight")[ids], dtype=np.float32)
-        block = prompt_block(cfg, end)
+        block = 1 if row_by_row else prompt_block(cfg, end)
         for layer in range(cfg.num_layers):
             w = self.layer_weights(layer)
             for first in range(0, len(ids), block):
@@ -352,18 +364,22 @@ class ReferenceModel:
         self.position = end
         return rms_norm(x, self.weights.tensor("model.norm.weight"), cfg.rms_norm_eps)
 
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """lm_head: hidden [seq, hidden_size] -> float32 logits [seq, vocab]."""
+    def logits(self, hidden: np.ndarray, *, row_by_row: bool = False) -> np.ndarray:
+        """lm_head: hidden [seq, hidden_size] -> float32 logits [seq, vocab] (row_by_row: as forward's)."""
+        def product(weight: np.ndarray) -> np.ndarray:
+            if row_by_row:
+                return np.concatenate([hidden[row:row + 1] @ weight.T for row in range(len(hidden))])
+            return hidden @ weight.T
+
+        if self._lm_head is None and self.cache_layers:
+            self._lm_head = self.lm_head_rows(slice(0, self.config.vocab_size))
         if self._lm_head is not None:
-            return hidden @ self._lm_head.T
+            return product(self._lm_head)
         vocab = self.config.vocab_size
-        if self.cache_layers:
-            self._lm_head = self.lm_head_rows(slice(0, vocab))
-            return hidden @ self._lm_head.T
         out = np.empty((hidden.shape[0], vocab), dtype=np.float32)
         for first in range(0, vocab, LM_HEAD_ROWS):
             rows = slice(first, min(first + LM_HEAD_ROWS, vocab))
-            out[:, rows] = hidden @ self.lm_head_rows(rows).T
+            out[:, rows] = product(self.lm_head_rows(rows))
         return out
 
     def lm_head_rows(self, rows: slice) -> np.ndarray:

@@ -14,6 +14,7 @@ from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.filewriter import NanoQwenWriter
 from pynanoqwen.backends import CpuBackend
 from pynanoqwen.generate import generate
+from pynanoqwen.prompt_lookup import LookupParams
 from pynanoqwen.reference import ReferenceModel
 from pynanoqwen.sampling import SamplingParams
 from pynanoqwen.server.protocol import ModelInfo
@@ -28,10 +29,10 @@ def embedded(max_context: int = CONTEXT):
 
 
 @contextlib.contextmanager
-def serving(backend, model: ModelInfo, *, api_key=None, max_queue=8, prefix_cache=True):
+def serving(backend, model: ModelInfo, *, api_key=None, max_queue=8, prefix_cache=True, lookup=LookupParams()):
     """The base URL of a server running `backend`, for the length of the with-block."""
     with ServerThread(make_app(backend, model, api_key=api_key, max_queue=max_queue,
-                               prefix_cache=prefix_cache)) as server:
+                               prefix_cache=prefix_cache, lookup=lookup)) as server:
         yield server.url
 
 
@@ -66,7 +67,7 @@ class ScriptedBackend:
         self.prompts: list[list[int]] = []
         self.steps = 0  # tokens produced over all calls
 
-    def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+    def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
         self.prompts.append(list(prompt_ids))
         for token in self.script[:max_new_tokens]:
             time.sleep(self.step_s)

@@ -186,7 +186,7 @@ def test_text_streams_while_tokens_arrive_and_never_splits_a_character(tokenizer
     class ScriptedBackend:
         name, max_context = "scripted", 100
 
-        def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+        def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
             assert max_new_tokens == len(ids)
             for token in ids:
                 events.append(("token", token))
@@ -221,6 +221,11 @@ def test_text_streams_while_tokens_arrive_and_never_splits_a_character(tokenizer
     (["--model", "{tiny}", "--system", "s", "hi"], "--system needs --chat"),
     (["--model", "{tiny}", "--chat", "--fim-suffix", "x", "hi"], "cannot be used with --chat"),
     (["--model", "{tiny}", "--device", "cuda", "hi"], "no CUDA GPU found; use --device cpu"),
+    (["--model", "{tiny}", "--prompt-lookup", "16", "hi"], r"--prompt-lookup must be between 0 \(off\) and 15"),
+    (["--model", "{tiny}", "--prompt-lookup", "4", "--lookup-ngram", "2:1", "hi"], "1 <= min <= max"),
+    (["--model", "{tiny}", "--prompt-lookup", "4", "--lookup-ngram", "two", "hi"], "--lookup-ngram must be MIN:MAX"),
+    (["--model", "{tiny}", "--device", "cuda", "--prompt-lookup", "4", "hi"],
+     r"--prompt-lookup runs on the CPU reference only \(--device cpu\)"),
 ])
 def test_refusals_are_one_error_line(tiny_file, monkeypatch, args, message):
     monkeypatch.setattr(device, "cuda_gpu_available", lambda: False)
@@ -244,6 +249,18 @@ def test_prompt_that_exactly_fits_generates_one_token(tiny_file, reference):
     assert result.exit_code == 0, result.stderr
     summary = SUMMARY.match(result.stderr.strip())
     assert summary and int(summary[2]) == 1 and summary[3] in ("context full", "stop token")
+
+
+def test_prompt_lookup_prints_the_same_text_and_what_it_accepted(tiny_file):
+    repeated = PROMPT + "\n" + PROMPT[:len(PROMPT) // 2]  # a prompt whose continuation it already holds
+    plain = run_cli("--model", tiny_file, "--device", "cpu", "--max-new-tokens", "24", repeated)
+    looked_up = run_cli("--model", tiny_file, "--device", "cpu", "--max-new-tokens", "24", "--prompt-lookup", "6",
+                        "--lookup-ngram", "1:4", repeated)
+    assert plain.exit_code == looked_up.exit_code == 0, looked_up.stderr
+    assert looked_up.stdout == plain.stdout
+    summary = looked_up.stderr.strip().splitlines()[-1]
+    assert re.search(r"; prompt lookup: \d+ of \d+ drafted tokens accepted( \(\d+%\))? in \d+ verify passes "
+                     r"and \d+ plain steps$", summary), summary
 
 
 def test_device_defaults_to_cpu_without_a_gpu_and_says_so(tiny_file, monkeypatch):

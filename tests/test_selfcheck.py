@@ -172,7 +172,7 @@ def test_generate_runs_the_self_check_on_the_gpu_only_unless_skipped(tiny_file, 
     class Fake(EmulatedEngine):
         name, max_context = "fake cuda", 64
 
-        def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+        def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
             yield from [70] * max_new_tokens  # not 0..8: those are special and end generation
 
     backends = {"good": Fake(weights), "broken": Fake(negated_scales(weights, layer_prefix(0) + "mlp.down_proj.weight"))}

@@ -44,7 +44,8 @@ def test_what_cannot_start_is_one_error_line(tmp_path):
     port = taken.getsockname()[1]
     cases = [(["--port", "70000"], "error: --port must be between 0 and 65535, got 70000"),
              (["--port", str(port)], f"error: cannot listen on 127.0.0.1:{port}: Address already in use"),
-             (["--model", str(tmp_path / "none.nanoqwen"), "--port", "0"], "no such file")]
+             (["--model", str(tmp_path / "none.nanoqwen"), "--port", "0"], "no such file"),
+             (["--prompt-lookup", "40", "--port", "0"], "error: --prompt-lookup must be between 0 (off) and 15, got 40")]
     env = {**os.environ, "PYNANOQWEN_API_KEY": ""}
     for args, message in cases:
         run = subprocess.run(SERVE + args, capture_output=True, text=True, timeout=120, env=env)

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from pynanoqwen.prompt_lookup import LookupParams
 from pynanoqwen.server.prompts import infill_prompt
 from pynanoqwen.server.run import load_model
 from server_harness import CONTEXT, embedded, generate_text, metric, rewritten, serving
@@ -292,3 +293,22 @@ def test_a_model_whose_chat_template_does_not_compile_still_completes(tmp_path):
         answer = http.post("/v1/completions", json={"model": model.id, "prompt": PROMPTS[0], "max_tokens": 4,
                                                     "temperature": 0})
         assert answer.json()["choices"][0]["text"] == generate_text(model, model.tokenizer.encode(PROMPTS[0]), 4)[0]
+
+
+def test_prompt_lookup_serves_the_same_tokens_and_counts_its_drafts(server, http):
+    """serve --prompt-lookup 6: greedy answers token for token those of the server without it, on
+    requests whose context holds what they write (HELPER's repeated functions), with the prefix
+    cache on; /metrics counts the drafted and accepted tokens."""
+    plain_url, model = server
+    bodies = [{"input_prefix": HELPER + "def helper_8(x):\n", "input_suffix": "", "prompt": "    return x + ",
+               "n_predict": 24, "temperature": 0, "return_tokens": True},
+              {"input_prefix": "import helpers\n\n", "input_suffix": "", "prompt": "def helper_",
+               "input_extra": [{"filename": "h.py", "text": HELPER}], "n_predict": 24, "temperature": 0,
+               "return_tokens": True}]
+    backend, _ = embedded()
+    with serving(backend, model, lookup=LookupParams(6)) as url, httpx.Client(base_url=url, timeout=60) as looked_up:
+        for body in bodies:
+            assert looked_up.post("/infill", json=body).json()["tokens"] == http.post("/infill", json=body).json()["tokens"]
+        scraped = looked_up.get("/metrics").text
+    drafted = metric(scraped, "pynanoqwen_prompt_lookup_drafted_tokens_total")
+    assert 0 < metric(scraped, "pynanoqwen_prompt_lookup_accepted_tokens_total") <= drafted

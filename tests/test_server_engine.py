@@ -164,7 +164,7 @@ def test_a_newer_infill_from_the_same_client_supersedes_the_older():
 class FailingBackend:
     name, max_context = "failing", 256
 
-    def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+    def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
         yield 300  # an ordinary token, then the failure
         raise RuntimeError("a bug in the engine")
 

@@ -134,7 +134,7 @@ class ReferenceEngine(EmulatedEngine):
         self.name, self.max_context, self.gemv = f"reference as {gemv}", max_context, gemv
         self.wrong = not eager and gemv == wrong_graph
 
-    def generate(self, prompt_ids, params, max_new_tokens, stop_ids):
+    def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
         tokens = list(CpuBackend(self.model).generate(prompt_ids, params, max_new_tokens, stop_ids))
         if self.wrong:
             tokens[-1] = (tokens[-1] + 1) % self.file.config.vocab_size

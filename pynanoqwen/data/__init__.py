@@ -4,10 +4,11 @@
 scripts/train_tiny_coder.py on the Python standard library's own source; docs/TINY_CODER.md is
 its training record. `generate` and `validate` run it when no --model is given.
 
-The corpus is defined here, not in the training script, because three places need the same split:
+The corpus is defined here, not in the training script, because four places need the same split:
 the training script (train on one part, measure the held-out loss on the other), the exact-token
-test (tests/test_tiny_coder.py) and `validate`'s graph tier, which both draw their prompts from the
-held-out files: code the model has not been trained on, on every machine that has Python.
+test (tests/test_tiny_coder.py), `validate`'s graph tier and prompt lookup's editing workload
+(tests/test_prompt_lookup.py), which draw their prompts from the held-out files: code the model has
+not been trained on, on every machine that has Python.
 """
 
 from __future__ import annotations
@@ -75,3 +76,14 @@ def held_out_prompts(encode: Callable[[str], list[int]], count: int, length: int
         raise ValueError(f"the held-out standard library files hold {len(prompts)} functions of "
                          f"{length} tokens or more, fewer than the {count} prompts asked for")
     return [prompts[i] for i in np.linspace(0, len(prompts) - 1, count).round().astype(int)]
+
+
+def editing_prompts(encode: Callable[[str], list[int]], count: int, source_tokens: int,
+                    repeat_tokens: int) -> list[list[int]]:
+    """`count` prompts of an editing workload, for prompt lookup (prompt_lookup.py): a held-out
+    function's first `source_tokens` tokens, then its first `repeat_tokens` again, so that the text
+    the model goes on to write is mostly already in its prompt, as when an assistant rewrites a
+    file with a local change. Drawn like held_out_prompts (code the model was not trained on)."""
+    if not 0 < repeat_tokens < source_tokens:
+        raise ValueError(f"repeat_tokens {repeat_tokens} must be between 1 and source_tokens {source_tokens}")
+    return [ids + ids[:repeat_tokens] for ids in held_out_prompts(encode, count, source_tokens)]

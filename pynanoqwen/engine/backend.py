@@ -46,6 +46,7 @@ from ..errors import NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..kernels import GEMV_PATHS, PAGE_SIZE
 from ..kernels.sampling import METHODS, device_params, method_for
+from ..prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams
 from ..sampling import SamplingParams
 from . import buffers as device_buffers
 from .capture import GraphCache
@@ -89,6 +90,7 @@ class CudaBackend(EngineProbes):
                                        prefill_rows if prefill == "batched" else 0)
             check_free_memory(self.memory, max_context, *cuda.current_context().get_memory_info())
             self.name = f"cuda ({device_name()}, INT4 {gemv} GEMV, {'eager launches' if eager else 'CUDA graphs'})"
+            self.lookup_stats = None  # backend.Backend: no prompt lookup here yet
             self.stream = cuda.stream()
             self.weights = load_weights(source, cfg, gemv, self.stream, prefill=bool(self.prefill_buckets))
         finally:
@@ -217,8 +219,10 @@ class CudaBackend(EngineProbes):
         return int(self.buffers.host_tokens[slot])
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop_ids: frozenset[int]) -> Iterator[int]:
+                 stop_ids: frozenset[int], lookup: LookupParams = LookupParams()) -> Iterator[int]:
         """backend.Backend: run the prompt, then yield each sampled id as soon as it is known."""
+        if lookup.enabled:
+            raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
         n = len(prompt_ids)
         if n + max_new_tokens > self.max_context:
             raise NanoQwenError(f"{n} prompt tokens + {max_new_tokens} new ones exceed max_context "

@@ -46,6 +46,10 @@ class Metrics:
         self.prompt_tokens = Counter("pynanoqwen_prompt_tokens", "Prompt tokens of the generations run",
                                      registry=registry)
         self.generated_tokens = Counter("pynanoqwen_generated_tokens", "Tokens generated", registry=registry)
+        self.lookup_drafted = Counter("pynanoqwen_prompt_lookup_drafted_tokens",
+                                      "Tokens prompt lookup proposed (serve --prompt-lookup)", registry=registry)
+        self.lookup_accepted = Counter("pynanoqwen_prompt_lookup_accepted_tokens",
+                                       "Of the drafted tokens, those the model agreed with", registry=registry)
         self.time_to_first_token = Histogram("pynanoqwen_time_to_first_token_seconds",
                                              "From a request's arrival to its first generated token",
                                              buckets=TTFT_BUCKETS, registry=registry)

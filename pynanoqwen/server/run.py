@@ -23,6 +23,7 @@ from ..fileformat import NanoQwenFile
 from ..backends import CpuBackend, load_backend
 from ..generate import DEFAULT_MAX_CONTEXT, resolve_device, resolve_model
 from ..prefix_cache import PrefixCache
+from ..prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer, compile_chat_template
 from .app import build_app
@@ -47,6 +48,7 @@ class ServeOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_cache: bool = True
     self_check: bool = True
+    lookup: LookupParams = LookupParams()  # prompt-lookup speculative decoding for every request
 
     def validate(self) -> "ServeOptions":
         if not 0 <= self.port <= 65535:
@@ -57,6 +59,7 @@ class ServeOptions:
             raise NanoQwenError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
             raise NanoQwenError("--api-key is empty")
+        self.lookup.validate()
         return self
 
 
@@ -119,12 +122,13 @@ def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
     return backend, model
 
 
-def make_app(backend, model: ModelInfo, *, api_key: str | None, max_queue: int, prefix_cache: bool):
+def make_app(backend, model: ModelInfo, *, api_key: str | None, max_queue: int, prefix_cache: bool,
+             lookup: LookupParams = LookupParams()):
     """The app serving `backend`; the prefix cache only where the backend keeps paged KV."""
     paged = prefix_cache and hasattr(backend, "generate_paged")
     cache = PrefixCache(backend.num_pages, backend.page_size) if paged else None
     metrics = Metrics(cache)
-    return build_app(Scheduler(backend, model.tokenizer, metrics, max_queue, cache), model, metrics, api_key)
+    return build_app(Scheduler(backend, model.tokenizer, metrics, max_queue, cache, lookup), model, metrics, api_key)
 
 
 def uvicorn_server(app) -> uvicorn.Server:
@@ -136,10 +140,12 @@ def serve(options: ServeOptions, on_status: Callable[[str], None]) -> None:
     model_path = resolve_model(options.model)
     sock = bind(options.host, options.port)
     device = resolve_device(options.device, on_status)
+    if device == "cuda" and options.lookup.enabled:
+        raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
     backend, model = load_model(model_path, device, options.max_context, self_check=options.self_check,
                                 on_status=on_status)
     app = make_app(backend, model, api_key=options.api_key, max_queue=options.max_queue,
-                   prefix_cache=options.prefix_cache)
+                   prefix_cache=options.prefix_cache, lookup=options.lookup)
     host, port = sock.getsockname()[:2]
     base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     on_status(f"serving `{model.id}` at {base}: OpenAI base URL {base}/v1, llama.cpp /infill {base}/infill "

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 from ..backends import Backend
 from ..prefix_cache import PrefixCache
+from ..prompt_lookup import LookupParams
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .errors import ApiError
@@ -110,8 +111,9 @@ class Job:
 
 class Scheduler:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, metrics: Metrics, max_queue: int,
-                 cache: PrefixCache | None):
+                 cache: PrefixCache | None, lookup: LookupParams = LookupParams()):
         self.backend = backend
+        self.lookup = lookup  # prompt lookup for every request (prompt_lookup.py)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_queue = max_queue
@@ -196,10 +198,11 @@ class Scheduler:
         """The backend's token generator for this request, and the page lease it runs in (or None)."""
         prompt = request.prompt_ids
         if self.cache is None:
-            return self.backend.generate(prompt, request.params, request.max_new_tokens, request.stop_ids), None
+            return self.backend.generate(prompt, request.params, request.max_new_tokens, request.stop_ids,
+                                         self.lookup), None
         lease = self.cache.lease(prompt, len(prompt) + request.max_new_tokens, reuse=request.reuse_cache)
         return self.backend.generate_paged(prompt, request.params, request.max_new_tokens, request.stop_ids,
-                                           lease), lease
+                                           lease, self.lookup), lease
 
     def _run(self, job: Job) -> Done:
         request, metrics = job.request, self.metrics
@@ -250,6 +253,10 @@ class Scheduler:
         end = time.perf_counter()
         metrics.prompt_tokens.inc(len(request.prompt_ids))
         metrics.generated_tokens.inc(len(generated))
+        lookup = getattr(self.backend, "lookup_stats", None) if self.lookup.enabled else None
+        if lookup is not None:
+            metrics.lookup_drafted.inc(lookup.drafted)
+            metrics.lookup_accepted.inc(lookup.accepted)
         return Done(reason, stops.stopping_word, len(request.prompt_ids), lease.cached_tokens if lease else 0,
                     len(generated), tuple(generated), 1000 * ((first or end) - start), 1000 * (end - (first or end)),
                     cancel_reason=job.cancel_reason)
