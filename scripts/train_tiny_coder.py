@@ -1,6 +1,6 @@
 """Train tiny-coder, the model shipped in pynanoqwen/data/ that `generate` runs when no --model is given.
 
-    OMP_NUM_THREADS=1 nice -n 10 python scripts/train_tiny_coder.py --steps 1300
+    OMP_NUM_THREADS=1 nice -n 10 python scripts/train_tiny_coder.py
 
 What it does, top to bottom (main):
 1. Corpus: the Python standard library's own .py files, the one body of Python source every
@@ -13,11 +13,13 @@ What it does, top to bottom (main):
    so it has seen the held-out files' text; that shapes the vocabulary, not the model's weights).
    Files are joined with <|endoftext|>, Qwen2.5's end-of-document token.
 3. Model: transformers' Qwen2ForCausalLM, CONFIG below (4 layers, hidden 256, GQA 4/2 heads,
-   head_dim 64, tied embeddings), float32 on the CPU, one thread. AdamW, linear warmup then cosine
-   decay, gradient clipping, bfloat16 autocast; each step is BATCH random windows of SEQ_LEN tokens
-   of the training set, whose files are cut at some line ends first (token_stream says why).
-4. Held-out loss every --eval-every steps on EVAL_WINDOWS fixed windows, and at the end on all
-   FINAL_EVAL_WINDOWS; the loss curve goes to train_log.json and docs/tiny_coder_loss.png.
+   head_dim 64, tied embeddings), float32 on the CPU, one thread. AdamW, gradient clipping,
+   bfloat16 autocast, in the PHASES below, each with its own linear warmup and cosine decay; a step
+   of a phase is `batch` random windows of `seq_len` tokens of the training set, whose files are cut
+   at some line ends first (token_stream says why). The first phase trains at 256 tokens (the first
+   model's recipe), the second extends the context to CONTEXT = 2048 with the same tokens per step.
+4. Held-out loss every --eval-every steps on EVAL_WINDOWS fixed windows of CONTEXT tokens, and at
+   the end on all FINAL_EVAL_WINDOWS; the loss curve goes to train_log.json and docs/tiny_coder_loss.png.
 5. The Hugging Face checkpoint (save_pretrained safetensors, tokenizer.json, tokenizer_config.json
    with the ChatML template), then `convert --lm-head fp16` into the shipped .nanoqwen file. The
    lm_head stays FP16: tied, it is the embedding table the file stores anyway (no extra bytes), and
@@ -30,6 +32,7 @@ The training record (settings, curve, losses, wall time) is docs/TINY_CODER.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -46,18 +49,32 @@ from pynanoqwen.data import EMBEDDED_MODEL, corpus_files, is_held_out, read_sour
 REPO = Path(__file__).resolve().parents[1]
 
 VOCAB_SIZE = 4096
-SEQ_LEN = 256
-BATCH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    steps: int
+    seq_len: int
+    batch: int
+    peak_lr: float
+    min_lr: float
+    warmup: int
+
+
+PHASES = (
+    Phase(2000, 256, 8, 3e-3, 3e-4, 50),  # the first model's recipe (docs/TINY_CODER.md)
+    # Context extension: 2,048 tokens a step as before, in one window 8 times longer. Training at
+    # 2048 from the start (3000 steps, batch 1) reached a held-out loss of 4.52, these phases 3.96.
+    Phase(600, 2048, 1, 5e-4, 1e-4, 20),
+)
+CONTEXT = PHASES[-1].seq_len  # long enough to hold a file the model is asked to edit (prompt lookup)
 CONFIG = ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2,
-                     head_dim=64, vocab_size=VOCAB_SIZE, rope_theta=10000.0, max_position_embeddings=SEQ_LEN,
+                     head_dim=64, vocab_size=VOCAB_SIZE, rope_theta=10000.0, max_position_embeddings=CONTEXT,
                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)  # <|endoftext|> ends a file
-PEAK_LR = 3e-3
-MIN_LR = 3e-4
-WARMUP_STEPS = 50
 WEIGHT_DECAY = 0.1
 CLIP_NORM = 1.0
-EVAL_WINDOWS = 32            # held-out windows measured during training
-FINAL_EVAL_WINDOWS = 128     # ... and at the end
+EVAL_WINDOWS = 8             # held-out windows measured during training
+FINAL_EVAL_WINDOWS = 32      # ... and at the end (the held-out set has 57 windows of 2048 tokens)
 LOG_EVERY = 10               # steps averaged into one point of the training curve
 LINE_END_CUTS = 0.25         # share of a training file's newlines before which it is cut (token_stream)
 
@@ -95,22 +112,22 @@ def token_stream(tokenizer, files: list[str], rng: np.random.Generator | None = 
 
 
 def eval_windows(stream: np.ndarray, count: int) -> np.ndarray:
-    """`count` evenly spaced, non-overlapping SEQ_LEN-token windows of `stream`: [count, SEQ_LEN]."""
-    chunks = stream[: len(stream) // SEQ_LEN * SEQ_LEN].reshape(-1, SEQ_LEN)
+    """`count` evenly spaced, non-overlapping CONTEXT-token windows of `stream`: [count, CONTEXT]."""
+    chunks = stream[: len(stream) // CONTEXT * CONTEXT].reshape(-1, CONTEXT)
     if len(chunks) < count:
-        raise SystemExit(f"the held-out set has {len(chunks)} windows of {SEQ_LEN} tokens, fewer than {count}")
+        raise SystemExit(f"the held-out set has {len(chunks)} windows of {CONTEXT} tokens, fewer than {count}")
     return chunks[np.linspace(0, len(chunks) - 1, count).round().astype(int)]
 
 
 # ----------------------------------------------------------------------------------------------
 # Training
 
-def lr_at(step: int, steps: int) -> float:
-    """Linear warmup to PEAK_LR over WARMUP_STEPS, then cosine decay to MIN_LR at the last step."""
-    if step < WARMUP_STEPS:
-        return PEAK_LR * (step + 1) / WARMUP_STEPS
-    progress = (step - WARMUP_STEPS) / max(1, steps - 1 - WARMUP_STEPS)
-    return MIN_LR + 0.5 * (PEAK_LR - MIN_LR) * (1 + math.cos(math.pi * progress))
+def lr_at(step: int, phase: Phase) -> float:
+    """Step `step` of `phase`: linear warmup to its peak, then cosine decay to its minimum at its last step."""
+    if step < phase.warmup:
+        return phase.peak_lr * (step + 1) / phase.warmup
+    progress = (step - phase.warmup) / max(1, phase.steps - 1 - phase.warmup)
+    return phase.min_lr + 0.5 * (phase.peak_lr - phase.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def build_model(seed: int):
@@ -124,14 +141,14 @@ def build_model(seed: int):
 
 
 def held_out_loss(model, windows: np.ndarray) -> float:
-    """Mean next-token cross-entropy (nats) over the windows, BATCH windows per forward pass."""
+    """Mean next-token cross-entropy (nats) over the windows, one window per forward pass."""
     import torch
 
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for first in range(0, len(windows), BATCH):
-            batch = torch.from_numpy(windows[first:first + BATCH])
+        for first in range(len(windows)):
+            batch = torch.from_numpy(windows[first:first + 1])
             loss = model(input_ids=batch, labels=batch).loss
             total += loss.item() * len(batch)
             count += len(batch)
@@ -139,44 +156,49 @@ def held_out_loss(model, windows: np.ndarray) -> float:
     return total / count
 
 
-def train(model, train_stream: np.ndarray, eval_set: np.ndarray, steps: int, eval_every: int,
-          seed: int) -> dict:
-    """Run `steps` optimizer steps; returns the curves {"train": [[step, loss]], "held_out": [...]}."""
+def train(model, train_stream: np.ndarray, eval_set: np.ndarray, eval_every: int, seed: int) -> dict:
+    """Run the PHASES' optimizer steps (one AdamW throughout); returns the curves
+    {"train": [[step, loss]], "held_out": [...]}, steps counted across phases."""
     import torch
 
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]  # norms and biases
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=PEAK_LR, betas=(0.9, 0.95), eps=1e-8)
+                                  lr=PHASES[0].peak_lr, betas=(0.9, 0.95), eps=1e-8)
     rng = np.random.default_rng(seed)
     curves: dict[str, list] = {"train": [], "held_out": [[0, held_out_loss(model, eval_set)]]}
     window_losses: list[float] = []
     start = time.perf_counter()
+    total_steps = sum(phase.steps for phase in PHASES)
+    done = 0
     model.train()
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps)
-        starts = rng.integers(0, len(train_stream) - SEQ_LEN, BATCH)
-        batch = torch.from_numpy(np.stack([train_stream[s:s + SEQ_LEN] for s in starts]))
-        # bfloat16 matmuls (AVX512-BF16) take 2/3 of float32's step time here; weights, optimizer
-        # state and the held-out loss stay float32.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-        optimizer.step()
-        window_losses.append(loss.item())
-        if (step + 1) % LOG_EVERY == 0:
-            curves["train"].append([step + 1, float(np.mean(window_losses))])
-            window_losses.clear()
-            elapsed = time.perf_counter() - start
-            print(f"step {step + 1}/{steps}  loss {curves['train'][-1][1]:.3f}  lr {lr_at(step, steps):.2e}  "
-                  f"{elapsed / (step + 1):.2f} s/step  elapsed {elapsed / 60:.1f} min", flush=True)
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            curves["held_out"].append([step + 1, held_out_loss(model, eval_set)])
-            print(f"step {step + 1}  held-out loss {curves['held_out'][-1][1]:.3f}", flush=True)
+    for phase in PHASES:
+        for step in range(phase.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, phase)
+            starts = rng.integers(0, len(train_stream) - phase.seq_len, phase.batch)
+            batch = torch.from_numpy(np.stack([train_stream[s:s + phase.seq_len] for s in starts]))
+            # bfloat16 matmuls (AVX512-BF16) take 2/3 of float32's step time here; weights, optimizer
+            # state and the held-out loss stay float32.
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=batch, labels=batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+            optimizer.step()
+            window_losses.append(loss.item())
+            done += 1
+            if done % LOG_EVERY == 0:
+                curves["train"].append([done, float(np.mean(window_losses))])
+                window_losses.clear()
+                elapsed = time.perf_counter() - start
+                print(f"step {done}/{total_steps} ({phase.batch} x {phase.seq_len})  loss "
+                      f"{curves['train'][-1][1]:.3f}  lr {lr_at(step, phase):.2e}  {elapsed / done:.2f} s/step  "
+                      f"elapsed {elapsed / 60:.1f} min", flush=True)
+            if done % eval_every == 0 or done == total_steps:
+                curves["held_out"].append([done, held_out_loss(model, eval_set)])
+                print(f"step {done}  held-out loss {curves['held_out'][-1][1]:.3f}", flush=True)
     curves["train_seconds"] = time.perf_counter() - start
     return curves
 
@@ -222,8 +244,8 @@ def plot(curves: dict, path: Path) -> None:
     ax.plot(*zip(*curves["held_out"]), "o-", label=f"held-out ({EVAL_WINDOWS} windows)", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"tiny-coder: {CONFIG.num_layers} layers, hidden {CONFIG.hidden_size}, "
-                 f"batch {BATCH} x {SEQ_LEN} tokens")
+    ax.set_title(f"tiny-coder: {CONFIG.num_layers} layers, hidden {CONFIG.hidden_size}; "
+                 + " then ".join(f"{p.steps} steps of {p.batch} x {p.seq_len}" for p in PHASES), fontsize=10)
     ax.set_ylim(top=min(9.0, max(loss for _, loss in curves["held_out"]) + 0.5))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -250,7 +272,6 @@ def greedy_sample(model_path: Path, prompt: str, tokens: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=REPO / "out" / "tiny-coder",
@@ -282,7 +303,7 @@ def main() -> None:
     print(f"model: {params:,} parameters", flush=True)
     final_set = eval_windows(held_out_stream, FINAL_EVAL_WINDOWS)
     eval_set = final_set[np.linspace(0, FINAL_EVAL_WINDOWS - 1, EVAL_WINDOWS).round().astype(int)]
-    curves = train(model, train_stream, eval_set, args.steps, args.eval_every, args.seed)
+    curves = train(model, train_stream, eval_set, args.eval_every, args.seed)
     final_held_out = held_out_loss(model, final_set)
 
     save_checkpoint(model, tokenizer, args.work_dir / "hf")
@@ -292,9 +313,8 @@ def main() -> None:
     sample = greedy_sample(args.model_out, "def fibonacci(n):", 60)
 
     record = {
-        "python": platform.python_version(), "torch": torch.__version__, "steps": args.steps,
-        "batch": BATCH, "seq_len": SEQ_LEN, "peak_lr": PEAK_LR, "min_lr": MIN_LR, "warmup": WARMUP_STEPS,
-        "weight_decay": WEIGHT_DECAY, "seed": args.seed, "parameters": params,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "phases": [dataclasses.asdict(phase) for phase in PHASES], "weight_decay": WEIGHT_DECAY, "seed": args.seed, "parameters": params,
         "train_files": len(train_files), "held_out_files": len(held_out),
         "train_tokens": len(train_stream), "held_out_tokens": len(held_out_stream),
         "curves": {"train": curves["train"], "held_out": curves["held_out"]},

@@ -20,7 +20,7 @@ from pynanoqwen.sampling import SamplingParams
 from pynanoqwen.server.protocol import ModelInfo
 from pynanoqwen.server.run import ServerThread, load_model, make_app
 
-CONTEXT = 256  # the embedded model's whole context
+CONTEXT = 2048  # the embedded model's whole context
 
 
 def embedded(max_context: int = CONTEXT):

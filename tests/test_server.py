@@ -212,9 +212,9 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
     ("/v1/completions", {"model": "M", "prompt": [1, 999999]}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"model": "M", "prompt": ""}, 400, "prompt", "empty_prompt"),
     ("/v1/completions", {"model": "M", "prompt": "x\ud800"}, 400, "prompt", "invalid_value"),
-    ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 400}, 400, "max_tokens",
+    ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": CONTEXT + 144}, 400, "max_tokens",
      "context_length_exceeded"),
-    ("/v1/completions", {"model": "M", "prompt": "word " * 300}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"model": "M", "prompt": "word " * (CONTEXT + 44)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages[0].role", "invalid_value"),
@@ -227,7 +227,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
      "input_extra[0].text", "missing_field"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "input_extra": {"text": "a"}}, 400, "input_extra",
      "invalid_type"),
-    ("/infill", {"input_prefix": "x", "input_suffix": "", "n_predict": 300}, 400, "n_predict",
+    ("/infill", {"input_prefix": "x", "input_suffix": "", "n_predict": CONTEXT + 44}, 400, "n_predict",
      "context_length_exceeded"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "repeat_penalty": 1.1}, 400, "repeat_penalty",
      "unknown_field"),
@@ -246,9 +246,9 @@ def test_bad_requests_get_openai_errors(server, http, path, body, status, param,
 
 def test_context_errors_say_by_how_much(server, http):
     _, model = server
-    answer = http.post("/v1/completions", json={"model": model.id, "prompt": "x = 1", "max_tokens": 300}).json()
+    answer = http.post("/v1/completions", json={"model": model.id, "prompt": "x = 1", "max_tokens": CONTEXT + 44}).json()
     n = len(model.tokenizer.encode("x = 1"))
-    assert f"{n + 300 - CONTEXT} too many" in answer["error"]["message"]
+    assert f"{n + 44} too many" in answer["error"]["message"]
 
 
 @pytest.mark.parametrize("method, path, content, status", [
