@@ -18,6 +18,7 @@ speedup (the reference's verify pass computes its rows one at a time).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,15 +42,12 @@ def run_workload(backend: CpuBackend, prompts: list[list[int]], gen_tokens: int,
     rows = [{"draft_tokens": 0, "generated": sum(map(len, plain)), "passes": sum(map(len, plain)) - len(prompts),
              "cpu_seconds": time.perf_counter() - start}]
     for k in draft_tokens:
-        totals = dict(verify_passes=0, plain_steps=0, drafted=0, accepted=0, generated=0, identical=0)
+        totals = dict.fromkeys(["verify_passes", "plain_steps", "drafted", "accepted", "generated", "identical"], 0)
         start = time.perf_counter()
         for prompt, expected in zip(prompts, plain):
             tokens = list(backend.generate(prompt, SamplingParams(), gen_tokens, stop_ids, LookupParams(k)))
-            stats = backend.lookup_stats
-            totals["verify_passes"] += stats.verify_passes
-            totals["plain_steps"] += stats.plain_steps
-            totals["drafted"] += stats.drafted
-            totals["accepted"] += stats.accepted
+            for name, count in dataclasses.asdict(backend.lookup_stats).items():
+                totals[name] += count
             totals["generated"] += len(tokens)
             totals["identical"] += tokens == expected
         passes = totals["verify_passes"] + totals["plain_steps"]

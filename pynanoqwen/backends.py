@@ -123,17 +123,16 @@ class CpuBackend:
                 produced += 1
                 if token in stop_ids or produced == max_new_tokens:
                     return
-            if drafter is None:
-                new = [sample(self.model.forward([new[-1]])[-1], params, rng)]
-                continue
-            drafter.extend(new)
-            # The last sampled token, and a draft short enough that all of it plus the model's own
-            # token fits the budget and the cache.
-            limit = min(max_new_tokens - produced - 1, self.max_context - self.model.position - 1)
-            draft = drafter.propose(limit)
+            draft = []
+            if drafter is not None:
+                drafter.extend(new)
+                # A draft short enough that it, the last sampled token and the model's own next
+                # token fit the budget and the cache.
+                draft = drafter.propose(min(max_new_tokens - produced - 1, self.max_context - self.model.position - 1))
+                if not draft:
+                    self.lookup_stats.plain_steps += 1
             if not draft:
                 new = [sample(self.model.forward([new[-1]])[-1], params, rng)]
-                self.lookup_stats.plain_steps += 1
                 continue
             start = self.model.position
             rows = self.model.forward([new[-1]] + draft, row_by_row=True)

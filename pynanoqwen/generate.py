@@ -19,7 +19,7 @@ from .backends import Backend, load_backend
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
 from .kernels import GEMV_PATHS
-from .prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams, LookupStats
+from .prompt_lookup import LookupParams, LookupStats, check_device
 from .sampling import SamplingParams
 from .selfcheck import require_self_check
 from .tokenizer import Tokenizer
@@ -231,8 +231,7 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                                                system=options.system, fim_suffix=options.fim_suffix))
     check_fits(len(prompt_ids), max_context)
     device = resolve_device(options.device, on_status)
-    if device == "cuda" and options.lookup.enabled:
-        raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
+    check_device(options.lookup, device)
     # Loaded before the embedded model is described, so that --device cuda without a GPU fails
     # before a line that names "the GPU engine".
     backend = load_backend(model_path, device, max_context, options.gemv, options.eager)

@@ -37,12 +37,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from .errors import NanoQwenError
-from .sampling import SamplingParams, candidate_probabilities, sample
+from .sampling import SamplingParams, candidate_probabilities, draw, sample
 
 MAX_DRAFT_TOKENS = 15  # verify runs K + 1 <= 16 positions: one small-M GEMM tile on the GPU
 MAX_NGRAM = 16
-PROMPT_LOOKUP_ON_CPU_ONLY = ("--prompt-lookup runs on the CPU reference only (--device cpu): the GPU engine's "
-                             "verify pass is not built yet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +63,13 @@ class LookupParams:
     @property
     def enabled(self) -> bool:
         return self.draft_tokens > 0
+
+
+def check_device(lookup: LookupParams, device: str) -> None:
+    """Refuse lookup on a device without a verify pass: only the CPU reference has one so far."""
+    if lookup.enabled and device != "cpu":
+        raise NanoQwenError("--prompt-lookup runs on the CPU reference only (--device cpu): the GPU engine's "
+                            "verify pass is not built yet")
 
 
 def lookup_params(draft_tokens: int, ngram: str) -> LookupParams:
@@ -155,8 +160,7 @@ def accept_sampled(draft: Sequence[int], logits: np.ndarray, params: SamplingPar
         if where.size:
             residual[where[0]] = 0.0
         residual /= residual.sum()  # p_drafted < 1 here, so something is left
-        cdf = np.cumsum(residual)
-        out.append(int(ids[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(ids) - 1)]))
+        out.append(draw(ids, residual, rng))
         return out
     out.append(sample(logits[len(draft)], params, rng))
     return out

@@ -69,7 +69,11 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     is reproducible token by token."""
     if params.greedy:
         return int(np.argmax(logits))
-    ids, probs = candidate_probabilities(logits, params)
+    return draw(*candidate_probabilities(logits, params), rng)
+
+
+def draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One of `ids` with probabilities `probs` (summing to 1), from one uniform number of `rng`."""
     cdf = np.cumsum(probs)
     # Inverse-CDF draw; min() guards against cdf[-1] rounding to just below 1.
     index = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(ids) - 1)

@@ -46,7 +46,7 @@ from ..errors import NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..kernels import GEMV_PATHS, PAGE_SIZE
 from ..kernels.sampling import METHODS, device_params, method_for
-from ..prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams
+from ..prompt_lookup import LookupParams, check_device
 from ..sampling import SamplingParams
 from . import buffers as device_buffers
 from .capture import GraphCache
@@ -221,8 +221,7 @@ class CudaBackend(EngineProbes):
     def generate(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
                  stop_ids: frozenset[int], lookup: LookupParams = LookupParams()) -> Iterator[int]:
         """backend.Backend: run the prompt, then yield each sampled id as soon as it is known."""
-        if lookup.enabled:
-            raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
+        check_device(lookup, "cuda")
         n = len(prompt_ids)
         if n + max_new_tokens > self.max_context:
             raise NanoQwenError(f"{n} prompt tokens + {max_new_tokens} new ones exceed max_context "

@@ -23,7 +23,7 @@ from ..fileformat import NanoQwenFile
 from ..backends import CpuBackend, load_backend
 from ..generate import DEFAULT_MAX_CONTEXT, resolve_device, resolve_model
 from ..prefix_cache import PrefixCache
-from ..prompt_lookup import PROMPT_LOOKUP_ON_CPU_ONLY, LookupParams
+from ..prompt_lookup import LookupParams, check_device
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer, compile_chat_template
 from .app import build_app
@@ -140,8 +140,7 @@ def serve(options: ServeOptions, on_status: Callable[[str], None]) -> None:
     model_path = resolve_model(options.model)
     sock = bind(options.host, options.port)
     device = resolve_device(options.device, on_status)
-    if device == "cuda" and options.lookup.enabled:
-        raise NanoQwenError(PROMPT_LOOKUP_ON_CPU_ONLY)
+    check_device(options.lookup, device)
     backend, model = load_model(model_path, device, options.max_context, self_check=options.self_check,
                                 on_status=on_status)
     app = make_app(backend, model, api_key=options.api_key, max_queue=options.max_queue,
