@@ -32,15 +32,12 @@ HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
 SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rope"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "norm+silu"), ("down", HIDDEN, INTERMEDIATE, "residual"),
           ("lm_head", VOCAB, HIDDEN, "norm")]
-PLANS = {
-    "small": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 1), GemvPlan(2, 4, 8, 2),
-              GemvPlan(4, 2, 8, 1), GemvPlan(1, 4, 8, 1)],
-    "qkv_rope": [GemvPlan(2, 4, 8, 1), GemvPlan(2, 2, 8, 2), GemvPlan(2, 4, 8, 2), GemvPlan(2, 2, 8, 1)],
-    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(2, 1, 8, 2), GemvPlan(2, 2, 8, 1),
-                GemvPlan(1, 2, 8, 2)],
-    "down": [GemvPlan(1, 4, 8, 2), GemvPlan(2, 2, 8, 2), GemvPlan(1, 4, 8, 4), GemvPlan(4, 2, 8, 1),
-             GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2)],
-    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(4, 2, 8, 2), GemvPlan(4, 1, 8, 2), GemvPlan(4, 2, 8, 1)],
+PLANS = {  # GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles)
+    "small": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 2, 8, 2)],
+    "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True)],
+    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True)],
+    "down": [GemvPlan(2, 4, 8, 2, True), GemvPlan(4, 2, 8, 1), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 4, 8, 1, True)],
+    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True)],
 }
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
 
@@ -88,7 +85,7 @@ def time_plan(name, n, k, epilogue, plan, rng, stream) -> dict:
     programmatic = time_graph(stream, enqueue) / calls
     with plain_launches():
         plain = time_graph(stream, enqueue) / calls
-    return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm],
+    return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm, plan.split_tiles],
             "grid": gemvs[0]._input.grid, "bytes": nbytes, "us": programmatic * 1e6, "plain_us": plain * 1e6,
             "default": plan == (ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices))}
 
@@ -116,7 +113,7 @@ def main() -> None:
             row["share"] = row["bytes"] / (row["us"] * 1e-6) / copy
             row["plain_gbs"] = row["bytes"] / row["plain_us"] / 1e3
             rows.append(row)
-            print(f"{name:8s} {n:6d}x{k:5d} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}"
+            print(f"{name:8s} {n:6d}x{k:5d} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}{' split' if plan.split_tiles else ''}"
                   f" grid {row['grid']:4d}{' *' if row['default'] else '  '}  PDL {row['us']:7.2f} us "
                   f"{row['gbs']:6.0f} GB/s {100 * row['share']:5.1f}%   plain {row['plain_us']:7.2f} us "
                   f"{row['plain_gbs']:6.0f} GB/s", flush=True)

@@ -65,8 +65,10 @@ def gemv_oracle(qweight, scales, x: np.ndarray, path: str,
     """(W x, bound on |GEMV(x) - W x|) for the INT4 GEMV on `path` (kernels/gemv_int4.py), W the
     dequantized INT4 weight (some of its rows, as given).
 
-    float32: each lane sums K/32/32 chunk results, then 5 warp_sum steps, then the epilogue: at
-    most K/32 + 8 roundings of u32 times sum |w x|. prmt: each FP16 half-accumulator rounds 16
+    float32: per chunk a lane rounds three times (FP16 halves to float32 sum, scale, accumulate),
+    over at most S = ceil(K/1024) chunks; then 5 warp_sum steps, the partial sums of the at most S
+    warps that share a tile (gemv_int4_kernel.py, work split), the epilogue: at most 4 S + 6 <=
+    K/32 + 8 roundings (K >= 128) of u32 times sum |w x|. prmt: each FP16 half-accumulator rounds 16
     times by at most u16 of the partial sum. dp4a: the integer dot is exact; x is rounded to INT8
     per 128-input group (|error| <= scale/2 + 2^-22 |x|, scale = max |x| / 127 over the group).
     input_error: the GEMV reads a copy of x that may be off by up to this, elementwise (a fused

@@ -55,14 +55,16 @@ PATHS = ("prmt", "dp4a")
 
 @dataclasses.dataclass(frozen=True)
 class GemvPlan:
-    """How a GEMV splits its work (module docstring): R rows per tile, `depth` items in flight per
-    lane, `warps` per block, at most `blocks_per_sm` blocks per SM (also the launch bound that caps
-    registers at 65536 / (32 warps blocks_per_sm))."""
+    """How a GEMV splits its work (gemv_int4_kernel.py, work split): R rows per tile, `depth` items
+    in flight per lane, `warps` per block, at most `blocks_per_sm` blocks per SM (also the launch
+    bound that caps registers at 65536 / (32 warps blocks_per_sm)); with split_tiles, warps take
+    equal runs of items, tiles split between them, instead of whole tiles each."""
 
     rows: int = 1
     depth: int = 4
     warps: int = 8
     blocks_per_sm: int = 2
+    split_tiles: bool = False
 
     def check(self, n: int) -> None:
         if self.rows not in (1, 2, 4) or n % self.rows:
@@ -71,11 +73,13 @@ class GemvPlan:
             raise ValueError(f"{self}: depth 1..{MAX_DEPTH}, warps 1..32, blocks_per_sm >= 1")
 
     def grid(self, n: int, sm_count: int) -> int:
-        """Blocks of the persistent grid. Each warp computes `rounds` tiles (or one fewer), the
-        fewest that at most blocks_per_sm blocks per SM allow; the grid is then as small as that
-        leaves it, so no warp has a whole extra tile to do while others idle (3584 down_proj rows
-        on 2112 warps took 2 rounds on 1472 of them and 1 on the rest)."""
+        """Blocks of the persistent grid. Split plans: blocks_per_sm on every SM (fewer when there
+        are fewer tiles). Whole-tile plans: each warp computes `rounds` tiles (or one fewer), the
+        fewest that blocks_per_sm blocks per SM allow, and the grid is as small as that leaves it,
+        so no warp has a whole extra tile to do while others idle."""
         tiles = n // self.rows
+        if self.split_tiles:
+            return max(1, min(tiles, self.blocks_per_sm * sm_count))
         rounds = -(-tiles // (self.blocks_per_sm * sm_count * self.warps))
         return max(1, -(-(-(-tiles // rounds)) // self.warps))
 
@@ -85,12 +89,13 @@ ROPE_PLAN = GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)  # QKV with RoPE
 
 def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
     """The plan the engine uses for an N x K linear (`matrices` 2 for gate/up), the fastest of
-    dev/gemv_plans.py's sweep at each 7B shape (docs/PERFORMANCE.md): 8 loads of 16 bytes in flight
-    per lane; a long K (down_proj) keeps 4 rows a warp on one block an SM."""
+    dev/gemv_plans.py's sweep at each 7B shape (docs/PERFORMANCE.md): 4 items of 16 bytes in flight
+    per lane and row. A long K (down_proj: 3584 rows of 19 items) splits tiles between warps, which
+    whole tiles per warp left unbalanced (2 tiles on some warps, 1 on the rest)."""
     if matrices == 2:
         return GemvPlan(rows=1, depth=4, warps=8, blocks_per_sm=2)
     if k >= 8192:
-        return GemvPlan(rows=4, depth=2, warps=8, blocks_per_sm=1)
+        return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2, split_tiles=True)
     return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)
 
 

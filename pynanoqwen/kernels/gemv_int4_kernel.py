@@ -12,19 +12,29 @@ its work split and load pipeline, the activation staging and the fused epilogues
   the INT8 rounding of x (|x - q s| <= s/2, s = max|x| / 127 over the group).
 
 Work split (`GemvPlan`). A "tile" is R consecutive rows (of each matrix: gate/up read R rows of
-both). The grid is persistent: at most `blocks_per_sm` blocks of `warps` warps per SM, and warp w
-of the grid computes tiles w, w + W_total, w + 2 W_total, ... (W_total warps in all), so a block
-stages x once and then streams weights for its whole life instead of for 3-4 loads. Lane L of a
-warp takes 16-byte chunks c = L, L + 32, ... of its tile's rows (chunk c = inputs 32c .. 32c+31 =
-words 4c .. 4c+3 of a row): one step of the warp reads 512 contiguous bytes of each of the R rows.
-A lane's steps over all its tiles form one sequence of items (tile, step), and the lane keeps the
-next `depth` items' loads in flight: item i + depth is requested right after item i is computed,
-across tile boundaries, so the weight stream does not pause between tiles. Each item's loads are
-R (x matrices) 16-byte words and the R group scales of its chunk; the scales ride in the same
-pipeline, because a scale read at compute time would stall the lane for a DRAM round trip at the
-start of every tile. At a tile's last step the lane partial sums meet in a warp_sum; lane r stores
-row r (epilogue). Slots are separate local arrays named at compile time (depth <= 4), so they stay
-in registers.
+both); lane L of a warp takes 16-byte chunks c = L, L + 32, ... of its tile's rows (chunk c = inputs
+32c .. 32c+31 = words 4c .. 4c+3 of a row), so one "item" (tile, step) of a warp reads 512
+contiguous bytes of each of the R rows, and a tile is `steps` = ceil(K/1024) items. The grid is
+persistent (at most blocks_per_sm blocks of `warps` warps on every SM), in one of two ways:
+- whole tiles (the default): warp w of the grid computes tiles w, w + W_total, w + 2 W_total, ...
+  (W_total warps in all), so at any moment the GPU reads one window of neighbouring rows;
+- split_tiles: block b takes the b-th of `grid` equal runs of whole tiles, and warp w of the block
+  the w-th of `warps` equal runs of that block's items, so every warp has the same work within one
+  item whatever N is (whole tiles left down_proj's 3584 rows with 2 tiles on some warps and 1 on
+  the rest). A run may begin or end inside a tile: the warp that holds a tile's last step finishes
+  it; if the tile began before that warp's run, the warps before it leave their sums of it in
+  shared memory (`partials`), and after one syncthreads at the end the finishing warp adds them in
+  warp order. Measured, it helps down_proj and slows gate_up, o_proj and the lm_head, whose whole
+  tiles were already balanced (docs/PERFORMANCE.md).
+Either way the order of every addition is fixed by the plan and the shape, so repeated runs (graph
+and eager) give the same bits; no atomics.
+A lane keeps the next `depth` items' loads in flight: item i + depth is requested right after item
+i is computed, across tile boundaries, so the weight stream does not pause between tiles. Each
+item's loads are R (x matrices) 16-byte words and the R group scales of its chunk; the scales ride
+in the same pipeline, because a scale read at compute time would stall the lane for a DRAM round
+trip at the start of every tile. At a tile's last step the lane partial sums meet in a warp_sum;
+lane r stores row r (epilogue). Slots are separate local arrays named at compile time (depth <= 4),
+so they stay in registers.
 
 Programmatic dependent launch (ptx/griddep.py, launch.py): the weights do not depend on the kernel
 before this one, so every lane issues its first `depth` items' loads before it waits
@@ -274,9 +284,12 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     words_per_row = U(k // 8)
     groups = U(k // GROUP_SIZE)
     tiles = U(n // rows)
+    blocks = U(grid)
     total_warps = U(grid * warps)
+    split = plan.split_tiles
     slot_words = 4 * rows * matrices
     slot_scales = rows * matrices
+    partial_words = warps * slot_scales  # each warp's sums of a tile it leaves unfinished
     x_words = 16 if path == "prmt" else 8
     silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
     num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
@@ -294,25 +307,33 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     # Index arithmetic. Numba widens every integer operation to 64 bits; each intermediate is
     # wrapped in U() so that LLVM narrows it back to 32 (down_proj's loop was two thirds 64-bit
     # adds, multiplies and a division by its 19 steps, and ran at half the speed of gate_up's).
-    # A slot's item is tracked as (tile of this warp, step in the tile), advanced without dividing.
+    # A slot's item is tracked as (tile, step in the tile), advanced without dividing.
 
     @cuda.jit(device=True, inline="always")
-    def advance(tile, step):
-        """(tile, step) `depth` items later."""
-        step = U(step + U(depth))
+    def advance(tile, step, by):
+        """(tile, step) `by` items later."""
+        step = U(step + U(by))
         while step >= steps:
             step = U(step - steps)
             tile = U(tile + U(1))
         return tile, step
 
     @cuda.jit(device=True, inline="always")
-    def load(q0, s0, q1, s1, warp, lane, tile, step, count, words, scl):
+    def tile_of(warp_id, cursor):
+        """The tile a warp's cursor points at: split plans walk their run of tiles directly; the
+        others own tiles warp_id, warp_id + total_warps, ... (module docstring: work split)."""
+        if split:
+            return cursor
+        return U(warp_id + U(cursor * total_warps))
+
+    @cuda.jit(device=True, inline="always")
+    def load(q0, s0, q1, s1, warp_id, lane, tile, step, valid, words, scl):
         """The item (tile, step) of this lane (its tile's rows at chunk lane + 32 step) into a slot."""
-        if tile < count:
+        if valid:
             c = U(lane + U(U(32) * step))
             if c < chunks:
                 for r in range(rows):
-                    row = row_of(U(warp + U(tile * total_warps)), r)
+                    row = row_of(tile_of(warp_id, tile), r)
                     at = U(U(row * words_per_row) + U(U(4) * c))
                     scale_at = U(U(row * groups) + U(c // U(CHUNKS_PER_GROUP)))
                     words[4 * r], words[4 * r + 1], words[4 * r + 2], words[4 * r + 3] = ld_global_nc_v4_u32(q0, at)
@@ -323,16 +344,21 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                         scl[rows + r] = s1[scale_at]
 
     @cuda.jit(device=True, inline="always")
-    def finish_rope(tile, lane, acc, bias_values, out):
+    def warp_totals(acc, totals):
+        """totals = the warp's sums of acc (in every lane); acc restarts at zero."""
+        for i in range(slot_scales):
+            totals[i] = warp_sum(acc[i])
+            acc[i] = float32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def finish_rope(tile, lane, totals, bias_values, out):
         """The QKV tile (d, d + half) of one head: + bias, then a q head is rotated into q, a k head
         rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math)."""
-        x1 = warp_sum(acc[0])
-        x2 = warp_sum(acc[1])
         if lane == U(0):
             q_out, k_pages, v_pages, page_table, pos, rope_cos, rope_sin = out
             first = row_of(tile, 0)
-            x1 += float32(bias_values[first])
-            x2 += float32(bias_values[first + half])
+            x1 = totals[0] + float32(bias_values[first])
+            x2 = totals[1] + float32(bias_values[first + half])
             head = first // U(head_dim)
             d = first % U(head_dim)
             p = pos[0]
@@ -351,34 +377,33 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                 kv = head - U(num_heads + num_kv_heads)
                 v_pages[page, kv, slot, d] = x1
                 v_pages[page, kv, slot, d + half] = x2
-        for i in range(slot_scales):
-            acc[i] = float32(0)
 
     @cuda.jit(device=True, inline="always")
-    def finish(row0, lane, acc, bias_values, out):
-        """A tile's last step: the lane sums meet (warp_sum); lane r stores row r's epilogue."""
+    def finish(tile, lane, totals, bias_values, out):
+        """A tile's sums are complete (totals, in every lane): lane r stores row r's epilogue."""
+        if rope:
+            finish_rope(tile, lane, totals, bias_values, out)
+            return
         for r in range(rows):
-            total = warp_sum(acc[r])
-            second = float32(0)
-            if matrices == 2:
-                second = warp_sum(acc[rows + r])
             if lane == U(r):
-                row = row0 + U(r)
+                row = U(U(tile * U(rows)) + U(r))
+                total = totals[r]
                 if silu:
-                    out[row] = total / (float32(1) + math.exp(-total)) * second
+                    out[row] = total / (float32(1) + math.exp(-total)) * totals[rows + r]
                 elif residual:
                     out[row] += total
                 elif bias:
                     out[row] = total + float32(bias_values[row])
                 else:
                     out[row] = total
-        for i in range(slot_scales):
-            acc[i] = float32(0)
 
     @cuda.jit(device=True, inline="always")
-    def compute(warp, lane, tile, step, count, words, scl, activations, xs, xv, acc, bias_values, out):
-        """Add the item (tile, step), already in this slot, into acc; at a tile's last step, finish it."""
-        if tile < count:
+    def compute(warp_id, lane, tile, step, valid, deferred_tile, words, scl, activations, xs, xv, acc, totals,
+                deferred, bias_values, out):
+        """Add the item (tile, step), already in this slot, into acc. At a tile's last step the tile
+        is finished, unless it began before this warp's range (deferred_tile): its sums wait in
+        `deferred` for the partials of the warps before this one (gemv_int4, after the loop)."""
+        if valid:
             c = U(lane + U(U(32) * step))
             if c < chunks:
                 load_x(xs, c, xv)
@@ -386,15 +411,17 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                 if matrices == 2:
                     multiply(words, 4 * rows, scl, rows, c, activations, xv, acc, rows)
             if step == U(steps - U(1)):
-                if rope:
-                    finish_rope(U(warp + U(tile * total_warps)), lane, acc, bias_values, out)
+                if tile == deferred_tile:
+                    warp_totals(acc, deferred)
                 else:
-                    finish(U(U(warp + U(tile * total_warps)) * U(rows)), lane, acc, bias_values, out)
+                    warp_totals(acc, totals)
+                    finish(tile_of(warp_id, tile), lane, totals, bias_values, out)
 
     # The launch bound caps registers so that blocks_per_sm blocks fit (the simulator has no such option).
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, plan.blocks_per_sm)}))
     def gemv_int4(q0, s0, q1, s1, activations, bias_values, out):
         xs = cuda.shared.array(shared_words, uint32, alignment=SHARED_ALIGNMENT)
+        partials = cuda.shared.array(partial_words, float32)
         words0 = cuda.local.array(slot_words, uint32)
         words1 = cuda.local.array(slot_words, uint32)
         words2 = cuda.local.array(slot_words, uint32)
@@ -405,46 +432,68 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         scl3 = cuda.local.array(slot_scales, types.float16)
         xv = cuda.local.array(x_words, uint32)
         acc = cuda.local.array(slot_scales, float32)
+        totals = cuda.local.array(slot_scales, float32)
+        deferred = cuda.local.array(slot_scales, float32)
         lane = U(cuda.laneid)
-        warp = U(U(U(cuda.blockIdx.x) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
-        count = U(U(U(tiles - U(1) - warp) // total_warps) + U(1)) if warp < tiles else U(0)  # this warp's tiles
-        items = U(count * steps)
-        # Slot s starts at item s; its (tile, step) cursor then moves `depth` items a round.
-        tile0, step0 = U(0), U(0)
-        tile1, step1 = U(U(1) // steps), U(U(1) % steps)
-        tile2, step2 = U(U(2) // steps), U(U(2) % steps)
-        tile3, step3 = U(U(3) // steps), U(U(3) % steps)
+        warp = U(U(cuda.threadIdx.x) // U(32))
+        warp_id = U(U(U(cuda.blockIdx.x) * U(warps)) + warp)
+        block = U(cuda.blockIdx.x)
+        if split:
+            # This block's run of tiles, then this warp's run of their items (module docstring).
+            first_tile = U(U(block * tiles) // blocks)
+            block_items = U(U(U(U(U(block + U(1)) * tiles) // blocks) - first_tile) * steps)
+            begin = U(U(warp * block_items) // U(warps))
+            end = U(U(U(warp + U(1)) * block_items) // U(warps))
+            tile0, step0 = U(first_tile + U(begin // steps)), U(begin % steps)
+        else:
+            # Whole tiles warp_id, warp_id + total_warps, ...: the cursor counts this warp's tiles.
+            first_tile, block_items = U(0), U(0)
+            count = U(U(U(tiles - U(1) - warp_id) // total_warps) + U(1)) if warp_id < tiles else U(0)
+            begin, end = U(0), U(count * steps)
+            tile0, step0 = U(0), U(0)
+        items = U(end - begin)
+        # A tile this warp finishes but did not begin: the warps before it hold its first items.
+        deferred_tile = tile0 if step0 != U(0) else U(0xFFFFFFFF)
+        # Slot s starts at item begin + s; its (tile, step) cursor then moves `depth` items a round.
+        tile1, step1 = advance(tile0, step0, 1)
+        tile2, step2 = advance(tile1, step1, 1)
+        tile3, step3 = advance(tile2, step2, 1)
         # The weights do not depend on the kernel before this one: request them first, then wait
         # for the activations (ptx/griddep.py).
-        load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
+        load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(0) < items, words0, scl0)
         if depth >= 2:
-            load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
+            load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(1) < items, words1, scl1)
         if depth >= 3:
-            load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
+            load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
         if depth >= 4:
-            load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
+            load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
         grid_dependency_wait()
         stage(activations, xs)
         for i in range(slot_scales):
             acc[i] = float32(0)
+            deferred[i] = float32(0)
         item = U(0)
         triggered = False
         while item < items:
-            compute(warp, lane, tile0, step0, count, words0, scl0, activations, xs, xv, acc, bias_values, out)
-            tile0, step0 = advance(tile0, step0)
-            load(q0, s0, q1, s1, warp, lane, tile0, step0, count, words0, scl0)
+            compute(warp_id, lane, tile0, step0, item < items, deferred_tile, words0, scl0, activations, xs, xv, acc,
+                    totals, deferred, bias_values, out)
+            tile0, step0 = advance(tile0, step0, depth)
+            load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(item + U(depth)) < items, words0, scl0)
             if depth >= 2:
-                compute(warp, lane, tile1, step1, count, words1, scl1, activations, xs, xv, acc, bias_values, out)
-                tile1, step1 = advance(tile1, step1)
-                load(q0, s0, q1, s1, warp, lane, tile1, step1, count, words1, scl1)
+                compute(warp_id, lane, tile1, step1, U(item + U(1)) < items, deferred_tile, words1, scl1, activations, xs,
+                        xv, acc, totals, deferred, bias_values, out)
+                tile1, step1 = advance(tile1, step1, depth)
+                load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(item + U(depth + 1)) < items, words1, scl1)
             if depth >= 3:
-                compute(warp, lane, tile2, step2, count, words2, scl2, activations, xs, xv, acc, bias_values, out)
-                tile2, step2 = advance(tile2, step2)
-                load(q0, s0, q1, s1, warp, lane, tile2, step2, count, words2, scl2)
+                compute(warp_id, lane, tile2, step2, U(item + U(2)) < items, deferred_tile, words2, scl2, activations, xs,
+                        xv, acc, totals, deferred, bias_values, out)
+                tile2, step2 = advance(tile2, step2, depth)
+                load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(item + U(depth + 2)) < items, words2, scl2)
             if depth >= 4:
-                compute(warp, lane, tile3, step3, count, words3, scl3, activations, xs, xv, acc, bias_values, out)
-                tile3, step3 = advance(tile3, step3)
-                load(q0, s0, q1, s1, warp, lane, tile3, step3, count, words3, scl3)
+                compute(warp_id, lane, tile3, step3, U(item + U(3)) < items, deferred_tile, words3, scl3, activations, xs,
+                        xv, acc, totals, deferred, bias_values, out)
+                tile3, step3 = advance(tile3, step3, depth)
+                load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(item + U(depth + 3)) < items, words3, scl3)
             item = U(item + U(depth))
             if not triggered and U(item + U(depth)) >= items:
                 # This thread has issued its last load: the next kernel may start and request its
@@ -454,5 +503,25 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                 triggered = True
         if not triggered:
             launch_dependents()
+        if split:
+            # A run that ends inside a tile (or is empty) leaves its sums for the warp that finishes
+            # that tile; they are added in warp order, so every run sums in the same order.
+            if items == U(0) or U(end % steps) != U(0):
+                warp_totals(acc, totals)
+                if lane == U(0):
+                    for i in range(slot_scales):
+                        partials[U(U(warp * U(slot_scales)) + U(i))] = totals[i]
+            cuda.syncthreads()
+            if deferred_tile != U(0xFFFFFFFF) and items != U(0):
+                tile_begin = U(U(deferred_tile - first_tile) * steps)
+                if U(tile_begin + steps) <= end:  # this warp holds the tile's last step
+                    before = warp
+                    while True:
+                        before = U(before - U(1))
+                        for i in range(slot_scales):
+                            deferred[i] += partials[U(U(before * U(slot_scales)) + U(i))]
+                        if U(U(before * block_items) // U(warps)) <= tile_begin:
+                            break
+                    finish(deferred_tile, lane, deferred, bias_values, out)
 
     return gemv_int4

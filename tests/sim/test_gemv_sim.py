@@ -4,9 +4,10 @@ sizes, against float64 numpy (quant.dequantize_int4) on fresh random inputs.
 Tolerances, derived rather than tuned (u16 = 2^-11, u32 = 2^-24 unit roundoffs):
 - "exact" activations x = m/8 with |m| <= 8: every product w*x is a multiple of 1/8 of magnitude
   <= 7 and one lane's FP16 accumulator sums 16 of them per half, so it stays below 112 with 1/8
-  resolution: exact in FP16 (11 bits). Only float32 rounding remains: scale multiply, the lane's
-  running sum over its K/32/32 chunks, 5 warp_sum steps, bias: at most K/32 + 8 roundings, each
-  <= u32 * sum |s w x|. This is the test that catches any layout or unpack mistake.
+  resolution: exact in FP16 (11 bits). Only float32 rounding remains: per chunk three roundings
+  (halves summed, scale, accumulate) over a lane's at most S = ceil(K/1024) chunks, 5 warp_sum
+  steps, the partials of the at most S warps sharing a tile, bias: at most 4 S + 6 <= K/32 + 8
+  roundings, each <= u32 * sum |s w x|. This is the test that catches any layout or unpack mistake.
 - Gaussian FP16 activations on the prmt path: each of the 16 FP16 FMAs of a half-accumulator
   rounds by at most u16 of a partial sum <= the sum of |s w x| it covers, so |error| <=
   16 u16 * sum |s w x| (plus the float32 term above).
@@ -75,6 +76,12 @@ PIPELINED = GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1)
     (16, 384, GemvPlan(rows=2, depth=2), "float16"),  # out_dtype float16
     (18, 256, PIPELINED, "bias"),       # one step a tile: 5, 5, 4, 4 tiles a warp, loads 4 tiles ahead
     (12, 1152, PIPELINED, "residual"),  # two steps a tile (the second with 4 lanes): ahead across tiles
+    # split_tiles (work split in gemv_int4_kernel.py): the warp holding a tile's last step adds the
+    # partials the warps before it left in shared memory.
+    (8, 4096, GemvPlan(rows=1, depth=2, warps=8, blocks_per_sm=1, split_tiles=True), "residual"),  # each tile on 2 warps
+    (4, 8192, GemvPlan(rows=1, depth=4, warps=8, blocks_per_sm=1, split_tiles=True), "bias"), # each tile on 4 warps
+    (6, 3072, GemvPlan(rows=1, depth=3, warps=4, blocks_per_sm=1, split_tiles=True), "plain"), # runs of 2, 2, 2, 3 items
+    (12, 2048, GemvPlan(rows=2, depth=2, warps=4, blocks_per_sm=1, split_tiles=True), "bias"), # runs of 1, 2, 1, 2
 ])
 def test_gemv_exact_activations(path, n, k, plan, epilogue):
     rng = np.random.default_rng()
@@ -128,10 +135,14 @@ def test_dp4a_gaussian_activations_within_int8_rounding_bound():
 
 
 @pytest.mark.parametrize("path", ["prmt", "dp4a"])
-@pytest.mark.parametrize("n, plan", [(16, GemvPlan(rows=2, depth=2)), (10, PIPELINED)])
-def test_gate_up_silu(path, n, plan):
+@pytest.mark.parametrize("n, k, plan", [
+    (16, 1152, GemvPlan(rows=2, depth=2)),
+    (10, 1152, PIPELINED),
+    (10, 1152, GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1, split_tiles=True)),  # a tile on both warps
+    (4, 4096, GemvPlan(rows=1, depth=2, warps=8, blocks_per_sm=1, split_tiles=True)),  # each tile on 4 warps
+])
+def test_gate_up_silu(path, n, k, plan):
     rng = np.random.default_rng()
-    k = 1152
     gate_q, gate_s, wg = random_linear(rng, n, k)
     up_q, up_s, wu = random_linear(rng, n, k)
     x = exact_activations(rng, k)
@@ -214,7 +225,11 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
 
 
 @pytest.mark.parametrize("path", ["prmt", "dp4a"])
-def test_qkv_rope_kv_write(path):
+@pytest.mark.parametrize("k, plan", [
+    (256, GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1)),
+    (2048, GemvPlan(rows=2, depth=2, warps=3, blocks_per_sm=1, split_tiles=True)),  # 128 items a block on 3 warps: split tiles
+])
+def test_qkv_rope_kv_write(path, k, plan):
     """The QKV GEMV with the RoPE + KV-write epilogue against float64: W x + b, rotated by the float64
     angles of the position (q into q, k into its page slot), v copied; every other slot untouched.
 
@@ -226,7 +241,7 @@ def test_qkv_rope_kv_write(path):
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
     rng = np.random.default_rng()
-    heads, kv_heads, hd, k, pages = 2, 1, 64, 256, 5  # two query heads per KV head, as in grouped attention
+    heads, kv_heads, hd, pages = 2, 1, 64, 5  # two query heads per KV head, as in grouped attention
     n = (heads + 2 * kv_heads) * hd
     qweight, scales, w = random_linear(rng, n, k)
     bias = rng.standard_normal(n).astype(np.float16)
@@ -238,7 +253,7 @@ def test_qkv_rope_kv_write(path):
     v_init = rng.standard_normal((pages, kv_heads, PAGE, hd)).astype(np.float16)
     q, k_pages, v_pages = (cuda.to_device(a) for a in (np.full((heads, hd), np.nan, np.float32), k_init, v_init))
     gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rope_heads=(heads, kv_heads, hd),
-                          plan=GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1))
+                          plan=plan)
     gemv.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, cuda.to_device(page_table),
                      cuda.to_device(np.array([position], np.int32)), cuda.to_device(cos), cuda.to_device(sin))
 
