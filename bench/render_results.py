@@ -16,6 +16,11 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
+def short_commit(commit: str) -> str:
+    """The commit's first 8 hex digits, marked when bench ran on uncommitted changes."""
+    return commit[:8] + (" (uncommitted changes)" if commit.endswith("-dirty") else "")
+
+
 def load_results(folder: Path) -> list[dict]:
     runs = []
     for path in sorted(folder.glob("*.json")):
@@ -49,7 +54,7 @@ def render_page(runs: list[dict], plot_name: str | None) -> str:
         s, g = r["settings"], r.get("graph", {})
         share = g.get("roofline_share")
         lines.append(
-            f"| {s.get('date', '?')[:16]} | {s.get('git_commit', '?')[:8]} | {r.get('gpu', {}).get('name', '?')} | "
+            f"| {s.get('date', '?')[:16]} | {short_commit(s.get('git_commit', '?'))} | {r.get('gpu', {}).get('name', '?')} | "
             f"{s['model']} | {s['gemv']} | {_fmt(_itl(r), '.3f')} | {_fmt(_ttft(r), '.1f')} | "
             f"{_fmt(g.get('gbs'), '.0f')} | {_fmt(100 * share if share else None, '.0f')}% | {r['_file']} |")
     return "\n".join(lines) + "\n"

@@ -143,11 +143,14 @@ def test_history_page_renders(tmp_path):
     for i in range(3):
         r = fake_result(rng)
         r["settings"]["date"] = f"2026-11-3{i}T00:00:00"
+        r["settings"]["git_commit"] = "0123456789abcdef" + ("-dirty" if i == 2 else "")
         bench_report.write_json(r, results / f"run{i}.json")
     page = tmp_path / "RESULTS.md"
     render.main(results, page)
     text = page.read_text()
     assert text.count("synthetic:7b") == 3 and "history.png" in text
+    # A run of a tree with uncommitted changes says so; the others name their commit alone.
+    assert text.count("| 01234567 |") == 2 and text.count("| 01234567 (uncommitted changes) |") == 1
     assert (tmp_path / "history.png").stat().st_size > 1000
 
 
