@@ -10,7 +10,7 @@ plus the same float32 term. dev/gemv_plans.py times other GemvPlans.
 import numpy as np
 import pytest
 
-from pynanoqwen.kernels.gemv_int4 import default_plan, gemv_bytes, make_gate_up_silu, make_gemv_int4
+from pynanoqwen.kernels.gemv_int4 import GemvPlan, default_plan, gemv_bytes, make_gate_up_silu, make_gemv_int4
 from pynanoqwen.gpu_timing import time_gemv
 from pynanoqwen.quant import dequantize_int4
 
@@ -131,3 +131,37 @@ def test_gemv_bandwidth_report():
                   f"{seconds * 1e6:26.2f} {nbytes / seconds / 1e9:6.0f}  {100 * nbytes / seconds / ROOFLINE:5.1f}")
             # Faster than HBM would mean the weights came from L2: the measurement is broken.
             assert nbytes / seconds < 1.15 * ROOFLINE
+
+
+@pytest.mark.parametrize("n, k, plan", [
+    (HIDDEN, INTERMEDIATE, None),  # down_proj: its default plan splits tiles
+    (HIDDEN, HIDDEN, GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2, split_tiles=True)),
+])
+def test_split_tiles_give_the_same_bits_eager_plain_and_in_a_graph(n, k, plan):
+    """Split tiles add their warps' partials in a fixed order (no atomics), so programmatic and
+    plain launches and graph replays must agree bit for bit (the split-K atomics lesson)."""
+    from numba import cuda
+
+    from pynanoqwen.graphs import capture
+    from pynanoqwen.launch import plain_launches
+
+    rng = np.random.default_rng()
+    qweight, scales = random_int4(rng, n, k)
+    gemv = make_gemv_int4(n, k, qweight, scales, plan=plan)
+    assert gemv.plan.split_tiles
+    stream = cuda.stream()
+    x = cuda.to_device(rng.standard_normal(k).astype(np.float16), stream=stream)
+    outs = [cuda.device_array(n, np.float32, stream=stream) for _ in range(4)]
+    gemv.launch(stream, x, outs[0])
+    with plain_launches():
+        gemv.launch(stream, x, outs[1])
+    graph = capture(stream, lambda: gemv.launch(stream, x, outs[2]))
+    graph.launch(stream)
+    graph.launch(stream)
+    gemv.launch(stream, x, outs[3])
+    got = [o.copy_to_host(stream=stream) for o in outs]
+    stream.synchronize()
+    graph.close()
+    assert np.all(np.isfinite(got[0])) and np.any(got[0] != 0)
+    for other in got[1:]:
+        assert np.array_equal(got[0], other)
