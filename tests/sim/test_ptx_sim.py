@@ -7,7 +7,7 @@ import pytest
 from numba import cuda, uint32
 
 from pynanoqwen import quant
-from pynanoqwen.kernels.gemv_int4_kernel import dot8_prmt
+from pynanoqwen.kernels.gemv_int4_paths import dot8_prmt
 from pynanoqwen.kernels.int4_unpack import PAIR_CONSTANTS, unpack8, unpack_pair
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.half2 import half2_to_float2
