@@ -6,9 +6,9 @@ weight byte is used once, so the kernel's job is to stream qweight at memory spe
 the H200) while doing as little arithmetic per weight as possible. Two real paths read the same
 layout, prmt (the default) and dp4a (INT8 activations); `--gemv prmt|dp4a` picks one.
 
-How the kernel is built (the two paths' arithmetic, the persistent grid and its load pipeline,
-programmatic dependent launch, the staging, the fused RMSNorm and RoPE epilogues):
-kernels/gemv_int4_kernel.py. This module owns the plans (`GemvPlan`, `default_plan`), the
+How the kernel is built: kernels/gemv_int4_kernel.py (the persistent grid and its work split, the
+load pipeline, programmatic dependent launch, the RoPE epilogue) and kernels/gemv_int4_paths.py
+(the two paths' arithmetic, the activation staging, the fused RMSNorm). This module owns the plans (`GemvPlan`, `default_plan`), the
 objects the engine launches and the compile targets.
 
 Memory traffic per call (`gemv_bytes`): N*K/2 bytes of qweight + N*K/64 of scales + 2K of x.
