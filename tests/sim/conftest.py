@@ -8,7 +8,9 @@ place of numba's, so a test started meanwhile fails with "'FakeCUDAModule' objec
 
 import pytest
 
-from simulated import UNWIND_SECONDS, join_simulated_threads
+from simulated import UNWIND_SECONDS, join_simulated_threads, pause_block_polling
+
+pause_block_polling()  # simulated.run_block_pausing says why
 
 
 @pytest.fixture(autouse=True)
