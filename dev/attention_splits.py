@@ -25,8 +25,7 @@ from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
 from pynanoqwen.launch import plain_launches  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 28, 4, 128, 28
-VARIANTS = [dict(), dict(min_pages_per_split=1), dict(num_splits=66), dict(consumers=2, stages=8),
-            dict(consumers=4, stages=4), dict(consumers=2, stages=4)]
+VARIANTS = [dict(), dict(min_pages_per_split=2), dict(min_pages_per_split=8), dict(consumers=4, stages=4)]
 
 
 def main() -> None:

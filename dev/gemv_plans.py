@@ -35,8 +35,9 @@ SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rop
 PLANS = {  # GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles)
     "small": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 2, 8, 2)],
     "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True)],
-    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True)],
-    "down": [GemvPlan(2, 4, 8, 2, True), GemvPlan(4, 2, 8, 1), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 4, 8, 1, True)],
+    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 16, 1), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True)],
+    "down": [GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 4, 8, 2, True),
+             GemvPlan(4, 4, 16, 1, True), GemvPlan(4, 2, 8, 2, True)],
     "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True)],
 }
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim

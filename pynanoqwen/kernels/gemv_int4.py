@@ -91,11 +91,13 @@ def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
     """The plan the engine uses for an N x K linear (`matrices` 2 for gate/up), the fastest of
     dev/gemv_plans.py's sweep at each 7B shape (docs/PERFORMANCE.md): 4 items of 16 bytes in flight
     per lane and row. A long K (down_proj: 3584 rows of 19 items) splits tiles between warps, which
-    whole tiles per warp left unbalanced (2 tiles on some warps, 1 on the rest)."""
+    whole tiles per warp left unbalanced (2 tiles on some warps, 1 on the rest), in one block of 16
+    warps a SM rather than two of 8: 17.2 against 19.1 us a call. Every block stages all of x
+    (37 KiB at K 18944), so half the blocks stage it half as often (the likely reason; not profiled)."""
     if matrices == 2:
         return GemvPlan(rows=1, depth=4, warps=8, blocks_per_sm=2)
     if k >= 8192:
-        return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2, split_tiles=True)
+        return GemvPlan(rows=2, depth=4, warps=16, blocks_per_sm=1, split_tiles=True)
     return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)
 
 

@@ -89,7 +89,7 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     split = plan.split_tiles
     slot_words = 4 * rows * matrices
     slot_scales = rows * matrices
-    partial_words = warps * slot_scales  # each warp's sums of a tile it leaves unfinished
+    partial_words = warps * slot_scales if plan.split_tiles else 1  # a warp's sums of a tile it leaves unfinished
     x_words = 16 if path == "prmt" else 8
     silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
     num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
@@ -236,8 +236,8 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         deferred = cuda.local.array(slot_scales, float32)
         lane = U(cuda.laneid)
         warp = U(U(cuda.threadIdx.x) // U(32))
-        warp_id = U(U(U(cuda.blockIdx.x) * U(warps)) + warp)
         block = U(cuda.blockIdx.x)
+        warp_id = U(U(block * U(warps)) + warp)
         if split:
             # This block's run of tiles, then this warp's run of their items (module docstring).
             first_tile = U(U(block * tiles) // blocks)
