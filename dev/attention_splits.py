@@ -25,7 +25,11 @@ from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
 from pynanoqwen.launch import plain_launches  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 28, 4, 128, 28
-VARIANTS = [dict(), dict(min_pages_per_split=2), dict(min_pages_per_split=8), dict(consumers=4, stages=4)]
+# The product's settings; other split floors and rings; and 1 or 8 splits, whose short contexts
+# (--contexts 16,512) show how much of a launch is the fixed chain (pos, page table, one page, the
+# merge) rather than the pages.
+VARIANTS = [dict(), dict(min_pages_per_split=2), dict(min_pages_per_split=8), dict(consumers=4, stages=4),
+            dict(num_splits=1), dict(num_splits=8)]
 
 
 def main() -> None:
