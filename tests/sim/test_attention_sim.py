@@ -52,7 +52,7 @@ def random_cache(rng, context):
 
 
 # Splits with several consumers, one consumer alone, and a ring deeper than the consumers: each
-# setting appears with a change of the others (the simulator takes ~40 s per case).
+# setting appears with a change of the others (2-6 s a case on 2 cores).
 @pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 2, 1), (1, 4, 2)])
 def test_decode_attention_matches_softmax_reference(num_splits, stages, consumers):
     rng = np.random.default_rng()
