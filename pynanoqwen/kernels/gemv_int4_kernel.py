@@ -89,7 +89,7 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     split = plan.split_tiles
     slot_words = 4 * rows * matrices
     slot_scales = rows * matrices
-    partial_words = warps * slot_scales if plan.split_tiles else 1  # a warp's sums of a tile it leaves unfinished
+    partial_words = warps * slot_scales if split else 1  # a warp's sums of a tile it leaves unfinished
     x_words = 16 if path == "prmt" else 8
     silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
     num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
@@ -247,7 +247,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
             tile0, step0 = U(first_tile + U(begin // steps)), U(begin % steps)
         else:
             # Whole tiles warp_id, warp_id + total_warps, ...: the cursor counts this warp's tiles.
-            first_tile, block_items = U(0), U(0)
             count = U(U(U(tiles - U(1) - warp_id) // total_warps) + U(1)) if warp_id < tiles else U(0)
             begin, end = U(0), U(count * steps)
             tile0, step0 = U(0), U(0)
