@@ -24,12 +24,13 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import random_int4  # noqa: E402
+from harness import SEVEN_B, attention_inputs, random_int4  # noqa: E402
 from pynanoqwen.gpu_timing import time_graph  # noqa: E402
-from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
+from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
 from pynanoqwen.kernels.gemv_int4 import GemvPlan, make_gemv_int4  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 28, 4, 128, 3584, 28
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim, SEVEN_B.num_layers
+HIDDEN = SEVEN_B.hidden_size
 O_PLANS = [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 1)]  # the default; one block a SM (fits beside attention)
 
 
@@ -41,12 +42,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     rng = np.random.default_rng(0)
     stream = cuda.stream()
-    max_pages = -(-max(contexts) // PAGE_SIZE)
-    shape = (max_pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
-    k_host, v_host = (rng.standard_normal(shape).astype(np.float16) for _ in range(2))
-    pools = [(cuda.to_device(k_host), cuda.to_device(v_host)) for _ in range(LAYERS)]
-    page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
-    q = cuda.to_device((3 * rng.standard_normal((HEADS, HEAD_DIM))).astype(np.float32))
+    max_pages, pools, page_table, q = attention_inputs(rng, contexts, LAYERS)
     attn = cuda.device_array(HEADS * HEAD_DIM, np.float16)
     h = cuda.to_device(rng.standard_normal(HIDDEN).astype(np.float32))
     weights = [random_int4(rng, HIDDEN, HIDDEN) for _ in range(LAYERS)]

@@ -20,11 +20,12 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import SEVEN_B, attention_inputs  # noqa: E402
 from pynanoqwen.gpu_timing import copy_bandwidth, time_graph  # noqa: E402
-from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
+from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
 from pynanoqwen.launch import plain_launches  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 28, 4, 128, 28
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim, SEVEN_B.num_layers
 # The product's settings; other split floors and rings; and 1 or 8 splits, whose short contexts
 # (--contexts 16,512) show how much of a launch is the fixed chain (pos, page table, one page, the
 # merge) rather than the pages.
@@ -42,12 +43,7 @@ def main() -> None:
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     stream = cuda.stream()
-    max_pages = -(-max(contexts) // PAGE_SIZE)
-    shape = (max_pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
-    k_host, v_host = (rng.standard_normal(shape).astype(np.float16) for _ in range(2))
-    pools = [(cuda.to_device(k_host), cuda.to_device(v_host)) for _ in range(LAYERS)]  # own memory each
-    page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
-    q = cuda.to_device((3 * rng.standard_normal((HEADS, HEAD_DIM))).astype(np.float32))
+    max_pages, pools, page_table, q = attention_inputs(rng, contexts, LAYERS)
     out = cuda.device_array(HEADS * HEAD_DIM, np.float16)
     rows = []
     for variant in VARIANTS:

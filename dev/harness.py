@@ -1,4 +1,5 @@
-"""What the dev/ variants share: random INT4 weights, a float64 check of a GEMM, and its timing.
+"""What the dev/ scripts share: random INT4 weights, a float64 check of a GEMM, and its timing;
+decode attention's inputs at 7B shapes.
 
 Weights are random (speed does not depend on values); the timing rotates enough weight copies
 that together they exceed the L2 twice, so every call reads its weights from HBM, as a prefill
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from pynanoqwen.bench import random_int4  # noqa: F401 (the dev scripts take it from here)
 from pynanoqwen.config import PRESETS
 from pynanoqwen.gpu_timing import time_graph, weight_copies
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
@@ -24,10 +26,19 @@ LINEARS_7B = {"qkv": (SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.hidden_size)
               "down_proj": (SEVEN_B.hidden_size, SEVEN_B.intermediate_size)}
 
 
-def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random packed words and FP16 scales of an N x K linear."""
-    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
-            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
+def attention_inputs(rng, contexts: list[int], layers: int):
+    """Decode attention's inputs at 7B shapes for the longest of `contexts`, on the device:
+    (max_pages, a (K, V) pool pair of each layer's own, so the K/V stream comes from HBM as in a
+    decode step, a shuffled page table, q)."""
+    from pynanoqwen.kernels import PAGE_SIZE
+
+    max_pages = -(-max(contexts) // PAGE_SIZE)
+    shape = (max_pages, SEVEN_B.num_kv_heads, PAGE_SIZE, SEVEN_B.head_dim)
+    k_host, v_host = (rng.standard_normal(shape).astype(np.float16) for _ in range(2))
+    pools = [(cuda.to_device(k_host), cuda.to_device(v_host)) for _ in range(layers)]
+    page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
+    q = cuda.to_device((3 * rng.standard_normal((SEVEN_B.num_heads, SEVEN_B.head_dim))).astype(np.float32))
+    return max_pages, pools, page_table, q
 
 
 def check_gemm(name: str, launch, n: int, k: int, m: int, epilogue: str, rng, extra_bound=None) -> Check:

@@ -112,14 +112,14 @@ def test_early_trigger_gives_the_same_bits_beside_the_next_kernel(attention, con
     """With early_trigger the next kernel (here o_proj, reading attn) launches before attention's
     pages are done; it must still wait for attn, and attention's own arithmetic is the same, so
     graph replays of the pair give the default kernel's bits."""
+    from pynanoqwen.bench import random_int4
     from pynanoqwen.kernels.gemv_int4 import make_gemv_int4
 
     rng = np.random.default_rng(context)
     case = Case(rng, context)
     early = make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, early_trigger=True)
     hidden = NUM_HEADS * HEAD_DIM
-    o_proj = make_gemv_int4(hidden, hidden, rng.integers(0, 2**32, (hidden, hidden // 8), dtype=np.uint32),
-                            rng.uniform(0.005, 0.02, (hidden, hidden // 128)).astype(np.float16))
+    o_proj = make_gemv_int4(hidden, hidden, *random_int4(rng, hidden, hidden))
     stream = cuda.stream()
     results = []
     for kernel in (attention, early):
