@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
-SCRIPTS = ["attention_splits.py", "attention_oproj_overlap.py", "gemv_plans.py", "profile_one.py"]
+SCRIPTS = ["attention_splits.py", "gemv_plans.py", "profile_one.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

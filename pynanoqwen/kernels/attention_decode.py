@@ -47,12 +47,7 @@ Merge across splits. Each block increments a per-KV-head counter; the block that
 partials of the splits that had pages (their loads 16 bytes wide, MERGE_UNROLL splits in flight
 at once, through L2 with `ld.global.cg`: other blocks wrote them), writes attn and resets the
 counter for the next launch. Programmatic dependent launch (ptx/griddep.py): barriers are set up
-before grid_dependency_wait; everything else waits for q and the K/V of this position. The block
-lets the next kernel launch once its consumers are done with their pages. With `early_trigger` it
-does so right after setting up its barriers: a block of the next GEMV (o_proj, 8 warps at ~90
-registers) fits beside one of these (5 warps at 184 registers, 82 KiB of shared memory), so its
-weight loads, issued before it waits, could overlap this kernel's latency at short contexts
-(dev/attention_oproj_overlap.py measures the pair; docs/PERFORMANCE.md has what it found).
+before grid_dependency_wait; everything else waits for q and the K/V of this position.
 
 Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (64 KiB at 8 stages, head_dim 128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
 merge's weights (2 x group x num_splits floats): ~80 KiB.
@@ -101,12 +96,8 @@ def default_num_splits(num_kv_heads: int, sms: int | None = None) -> int:
 
 def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,
                           num_splits: int | None = None, stages: int = STAGES, consumers: int = CONSUMERS,
-                          min_pages_per_split: int = MIN_PAGES_PER_SPLIT,
-                          early_trigger: bool = False) -> "DecodeAttention":
-    """Build the decode-attention kernel for one model's attention shape (dims become constants).
-
-    early_trigger: let the next kernel launch as soon as every block has set up its barriers,
-    instead of once its pages are done (an experiment: dev/attention_oproj_overlap.py)."""
+                          min_pages_per_split: int = MIN_PAGES_PER_SPLIT) -> "DecodeAttention":
+    """Build the decode-attention kernel for one model's attention shape (dims become constants)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim % 32:
@@ -125,7 +116,7 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
         # parity cannot tell phases n and n + 2 apart (it read a stale page in the simulator).
         raise ConfigError(f"stages ({stages}) must be a multiple of consumers ({consumers})")
     return DecodeAttention(num_heads, num_kv_heads, head_dim, max_pages, num_splits, stages, consumers,
-                           min_pages_per_split, early_trigger)
+                           min_pages_per_split)
 
 
 def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consumers: int) -> dict[str, int]:
@@ -141,8 +132,7 @@ def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consu
     return layout
 
 
-def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers, min_pages_per_split,
-                  early_trigger=False):
+def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers, min_pages_per_split):
     GROUP = num_heads // num_kv_heads
     WARPS = consumers + 1
     PRODUCER_WARP = consumers
@@ -190,8 +180,6 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
                 mbarrier_init(empty, stage, 32)  # one consumer warp's lanes
             fence_barrier_init()
-        if early_trigger:
-            launch_dependents()  # the next kernel's blocks may take what room this one leaves on the SM
         grid_dependency_wait()  # q and this position's K/V come from the kernel before (launch.py)
         cuda.syncthreads()
 
@@ -319,8 +307,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 if tq == 0:
                     floats[P_MAX + slot] = running_max
                     floats[P_SUM + slot] = running_sum
-        if not early_trigger:
-            launch_dependents()
+        launch_dependents()
         cuda.syncthreads()
 
         # This split's partial per head: the consumers' (max, sum, acc) rescaled to their common max.
@@ -404,11 +391,11 @@ class DecodeAttention:
     """The decode-attention kernel for one attention shape, with its split workspace."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, num_splits: int,
-                 stages: int, consumers: int, min_pages_per_split: int, early_trigger: bool = False):
+                 stages: int, consumers: int, min_pages_per_split: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_pages, self.num_splits, self.stages = max_pages, num_splits, stages
         self.kernel = _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers,
-                                    min_pages_per_split, early_trigger)
+                                    min_pages_per_split)
         self.grid = (num_kv_heads, num_splits)
         self.block = 32 * (consumers + 1)
         self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, num_splits, stages,
@@ -437,8 +424,7 @@ class DecodeAttention:
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The 7B shape (28 q heads over 4 KV heads, head_dim 128, 33 splits; also with the early trigger)
-    and the simulator test's."""
+    """The 7B shape (28 q heads over 4 KV heads, head_dim 128, 33 splits) and the simulator test's."""
     pages = types.float16[:, :, :, ::1]
     flat = types.float32[::1]
     signature = types.void(types.float32[:, ::1], pages, pages, types.int32[::1], types.int32[::1],
@@ -448,11 +434,7 @@ def compile_targets() -> list[CompileTarget]:
                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                     "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ld.global.cg.v4.f32", "ex2.approx.f32",
                     "griddepcontrol.wait")
-    return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits"
-                          f"{', early trigger' if early else ''}]",
-                          _build_kernel(heads, kv_heads, head_dim, splits, STAGES, CONSUMERS, MIN_PAGES_PER_SPLIT,
-                                        early),
+    return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits]",
+                          _build_kernel(heads, kv_heads, head_dim, splits, STAGES, CONSUMERS, MIN_PAGES_PER_SPLIT),
                           signature, must_contain)
-            for heads, kv_heads, head_dim, splits, early in ((28, 4, 128, default_num_splits(4, 132), False),
-                                                             (28, 4, 128, default_num_splits(4, 132), True),
-                                                             (4, 2, 64, 3, False))]
+            for heads, kv_heads, head_dim, splits in ((28, 4, 128, default_num_splits(4, 132)), (4, 2, 64, 3))]
