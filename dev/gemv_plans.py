@@ -1,10 +1,12 @@
 """Time the INT4 GEMV (kernels/gemv_int4.py) at every 7B linear with several GemvPlans, as
 back-to-back programmatic launches and as plain launches, on the GPU.
 
-    python dev/gemv_plans.py [--json out.json]
+    python dev/gemv_plans.py [--shapes qkv,o_proj] [--hot] [--json out.json]
 
 Each call reads a different copy of the weights (enough copies to exceed the L2 twice), so every
-call streams from HBM, as one decode step does layer after layer; calls are captured in one CUDA
+call streams from HBM, as one decode step does layer after layer; with --hot every call reads the
+same copy, from L2 where it fits (60 MB on an H200): what a GEMV could gain if its weights were
+prefetched into L2 while a kernel before it leaves the memory idle; calls are captured in one CUDA
 graph and replayed. qkv, gate_up and lm_head read the float32 residual stream and apply their
 RMSNorm (the engine's fused path); o_proj and down add into a float32 residual. Prints a table
 per shape: us per call, GB/s and the share of a device-to-device copy measured first.
@@ -22,6 +24,7 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import random_int4  # noqa: E402
 from pynanoqwen.gpu_timing import copy_bandwidth, time_graph, weight_copies  # noqa: E402
 from pynanoqwen.kernels.gemv_int4 import (ROPE_PLAN, GemvPlan, default_plan, gemv_bytes,  # noqa: E402
                                           make_gate_up_silu, make_gemv_int4)
@@ -43,11 +46,6 @@ PLANS = {  # GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles)
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
 
 
-def random_int4(rng, n, k):
-    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
-            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
-
-
 def build(name, n, k, epilogue, plan, rng):
     matrices = 2 if name == "gate_up" else 1
     weights = [random_int4(rng, n, k) for _ in range(matrices)]
@@ -60,10 +58,10 @@ def build(name, n, k, epilogue, plan, rng):
     return make_gemv_int4(n, k, *weights[0], bias=bias, plan=plan, **norm, **rope)
 
 
-def time_plan(name, n, k, epilogue, plan, rng, stream) -> dict:
+def time_plan(name, n, k, epilogue, plan, rng, stream, hot: bool) -> dict:
     matrices = 2 if name == "gate_up" else 1
     nbytes = matrices * gemv_bytes(n, k)
-    copies = weight_copies(nbytes)
+    copies = 1 if hot else weight_copies(nbytes)
     gemvs = [build(name, n, k, epilogue, plan, rng) for _ in range(copies)]
     x = cuda.to_device(rng.standard_normal(k).astype(np.float32 if epilogue.startswith("norm") else np.float16))
     out = cuda.to_device(np.zeros(n, np.float16 if matrices == 2 else np.float32))
@@ -95,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--hot", action="store_true", help="every call reads the same weights (from L2 if they fit)")
     args = parser.parse_args()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
@@ -109,7 +108,7 @@ def main() -> None:
         if name != "qkv_rope" and default_plan(n, k, matrices) not in plans:
             plans.insert(0, default_plan(n, k, matrices))
         for plan in plans:
-            row = time_plan(name, n, k, epilogue, plan, rng, stream)
+            row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot)
             row["gbs"] = row["bytes"] / row["us"] / 1e3
             row["share"] = row["bytes"] / (row["us"] * 1e-6) / copy
             row["plain_gbs"] = row["bytes"] / row["plain_us"] / 1e3

@@ -160,6 +160,30 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         h0, h1 = half2_to_float2(hi)
         return hi, float2_to_half2(x0 - h0, x1 - h1)
 
+    @cuda.jit(device=True, inline="always")
+    def fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page, num_pages, i,
+                   lane):
+        """The producer warp's page i of its split: copy its K and V tiles into stage i % stages."""
+        if i % 32 == 0:
+            # The next 32 page-table entries, one load per lane, through shared memory: a load per
+            # page would put an L2 round trip between every two pages' copies.
+            entry = page_table[first_page + i + lane] if i + lane < num_pages else 0
+            syncwarp()  # lane 0 is done with the previous 32
+            pages_ahead[lane] = entry
+            syncwarp()
+        if lane == 0:
+            stage = i % stages
+            # Fill i // stages of this stage needs its consumer's release of the previous fill; on
+            # the first round parity 1 names the phase before phase 0, complete.
+            mbarrier_wait(empty, stage, ((i // stages) & 1) ^ 1)
+            page = pages_ahead[i % 32]
+            mbarrier_arrive_expect_tx(full, stage, 2 * PAGE_BYTES)
+            at = stage * PAGE_WORDS
+            bulk_copy_to_shared(words[K_RING + at:K_RING + at + PAGE_WORDS], k_pages[page, kv_head], PAGE_BYTES,
+                                full, stage)
+            bulk_copy_to_shared(words[V_RING + at:V_RING + at + PAGE_WORDS], v_pages[page, kv_head], PAGE_BYTES,
+                                full, stage)
+
     @cuda.jit
     def decode_attention(q, k_pages, v_pages, page_table, pos, out, part_max, part_sum, part_acc, arrivals):
         full = cuda.shared.array(stages, types.uint64)  # stage holds its page's K and V
@@ -180,36 +204,32 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
                 mbarrier_init(empty, stage, 32)  # one consumer warp's lanes
             fence_barrier_init()
-        grid_dependency_wait()  # q and this position's K/V come from the kernel before (launch.py)
         cuda.syncthreads()
 
+        # pos, the page table and the K/V of every position before pos are older than the kernel
+        # before this one (the QKV GEMV), which lets this one start only after its own
+        # grid_dependency_wait: all kernels before it have completed (docs/DECODE.md). So they are
+        # read, and the earlier pages requested, before this kernel waits for q and the K/V row
+        # of pos, which the QKV GEMV writes into the context's last page.
         context = pos[0] + 1
         pages_used = (context + PAGE_SIZE - 1) // PAGE_SIZE
         pages_per_split = max((pages_used + num_splits - 1) // num_splits, min_pages_per_split)
         first_page = split * pages_per_split
         num_pages = max(0, min(pages_used - first_page, pages_per_split))
+        early = min(num_pages, stages)  # the first round of the ring needs no consumer's release
+        if 0 < num_pages <= stages and first_page + num_pages == pages_used:
+            early = num_pages - 1  # this split ends with the page being written now: not before the wait
 
         if warp == PRODUCER_WARP:
-            for i in range(num_pages):
-                if i % 32 == 0:
-                    # The next 32 page-table entries, one load per lane, through shared memory: a
-                    # load per page would put an L2 round trip between every two pages' copies.
-                    entry = page_table[first_page + i + lane] if i + lane < num_pages else 0
-                    syncwarp()  # lane 0 is done with the previous 32
-                    pages_ahead[lane] = entry
-                    syncwarp()
-                if lane == 0:
-                    stage = i % stages
-                    # Fill i // stages of this stage needs its consumer's release of the previous
-                    # fill; on the first round parity 1 names the phase before phase 0, complete.
-                    mbarrier_wait(empty, stage, ((i // stages) & 1) ^ 1)
-                    page = pages_ahead[i % 32]
-                    mbarrier_arrive_expect_tx(full, stage, 2 * PAGE_BYTES)
-                    at = stage * PAGE_WORDS
-                    bulk_copy_to_shared(words[K_RING + at:K_RING + at + PAGE_WORDS], k_pages[page, kv_head],
-                                        PAGE_BYTES, full, stage)
-                    bulk_copy_to_shared(words[V_RING + at:V_RING + at + PAGE_WORDS], v_pages[page, kv_head],
-                                        PAGE_BYTES, full, stage)
+            for i in range(early):
+                fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page,
+                           num_pages, i, lane)
+        grid_dependency_wait()  # q and the K/V row of pos come from the kernel before (launch.py)
+
+        if warp == PRODUCER_WARP:
+            for i in range(early, num_pages):
+                fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page,
+                           num_pages, i, lane)
         else:
             # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
             # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1 (rows gid + 8 are zero).
