@@ -63,6 +63,7 @@ trip for the pages, the partial write, fence and atomic, and one round of merge 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -132,6 +133,7 @@ def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consu
     return layout
 
 
+@functools.cache  # one compile per shape a process: every engine it loads (validate loads six) shares it
 def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consumers, min_pages_per_split):
     GROUP = num_heads // num_kv_heads
     WARPS = consumers + 1

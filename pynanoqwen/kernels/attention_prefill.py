@@ -64,6 +64,7 @@ shared memory 35 KiB, so two 7-warp blocks share an SM.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -106,6 +107,7 @@ def make_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, max
     return PrefillAttention(num_heads, num_kv_heads, head_dim, max_pages, query_tile)
 
 
+@functools.cache  # one compile per shape a process: every engine it loads (validate loads six) shares it
 def _build_kernel(num_heads, num_kv_heads, head_dim, query_tile):
     GROUP = num_heads // num_kv_heads  # query heads per KV head
     ROW_TILES = query_tile // 16  # 16-row mma tiles of positions per block
