@@ -68,17 +68,21 @@ def _allow_dynamic_shared(kernel, nbytes: int) -> None:
     _raised_limits.add(kernel)
 
 
-def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, dependent: bool = True) -> None:
+def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, dependent: bool = True,
+           cluster: tuple[int, int] | None = None) -> None:
     """Launch `dispatcher` (a `cuda.jit` kernel) on `stream` with `shared_bytes` of dynamic shared
     memory; with `dependent`, as a programmatic dependent of the previous launch on the stream
-    (the kernel must call grid_dependency_wait)."""
+    (the kernel must call grid_dependency_wait); with `cluster` (blocks in x, y), in thread-block
+    clusters of that shape (grid, in blocks, a multiple of it)."""
     if SIMULATOR:
+        if cluster is not None:
+            raise RuntimeError("the CUDA simulator has no thread-block clusters")
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
     kernel = _specialization(dispatcher, args)
     if shared_bytes > STATIC_SHARED_BYTES:
         _allow_dynamic_shared(kernel, shared_bytes)
-    if not dependent or not _programmatic[0]:
+    if cluster is None and (not dependent or not _programmatic[0]):
         dispatcher[grid, block, stream, shared_bytes](*args)
         return
     core_stream = driver._to_core_stream(stream)
@@ -86,5 +90,11 @@ def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, depende
     write_backs: list = []
     for argument_type, value in zip(kernel.argument_types, args):
         kernel._prepare_args(argument_type, value, core_stream, write_backs, parameters)
-    config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes, programmatic_stream_serialization=True)
+    programmatic = dependent and _programmatic[0]
+    if cluster is None:
+        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes,
+                              programmatic_stream_serialization=programmatic)
+    else:  # cuda.core counts the grid in clusters when a cluster shape is given
+        config = LaunchConfig(grid=(grid[0] // cluster[0], grid[1] // cluster[1]), cluster=cluster, block=block,
+                              shmem_size=shared_bytes, programmatic_stream_serialization=programmatic)
     core_launch(core_stream, config, kernel._codelibrary.get_cufunc().kernel, *parameters)

@@ -1,0 +1,285 @@
+"""Decode attention whose split partials meet in a thread-block cluster's shared memory, against
+the product's kernel (kernels/attention_decode.py), which meets them through global memory.
+
+The product's blocks each store their split's partial (max, sum, accumulator per query head) to
+global memory, fence, count themselves in with an atomic, and the last block of the KV head reads
+every partial back: at short contexts that merge is more than half of a launch (5.9 of 8.7 us at
+context 16, docs/PERFORMANCE.md, dev/attention_timeline.py). Here the splits of a KV head run in
+clusters of CLUSTER blocks (grid 4 x 32 at 7B, cluster 1 x 8). Each block stores its partial
+straight into the shared memory of its cluster's first block (`mapa` + `st.shared::cluster`,
+distributed shared memory), the cluster meets at one `barrier.cluster` (release / acquire), and
+that leader merges from its own shared memory. When one cluster holds every split with pages (up
+to 8 splits: 512 tokens at the product's 4 pages a split) the leader writes attn and nothing goes
+through global memory; otherwise the clusters' leaders merge their partials as the product's blocks
+do, over at most num_splits / CLUSTER partials instead of num_splits.
+
+The variant is the product's source with the edits below applied at import (each anchor must occur
+once, so a change of the product's kernel stops this script instead of measuring something else);
+the simulator has no clusters, so its only checks are on the GPU:
+
+    python dev/attention_cluster_merge.py
+
+DSMEM rules followed (CUDA Programming Guide, "Distributed Shared Memory"): a block writes into
+another's shared memory only after the cluster has synchronised once (every block started; here
+an arrive before griddepcontrol.wait and its wait before the stores), and the block whose memory
+is written (the leader) outlives the writes (it waits at the barrier after them).
+"""
+
+from __future__ import annotations
+
+import sys
+import types as pytypes
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from harness import SEVEN_B, attention_inputs  # noqa: E402
+from pynanoqwen.kernels import PAGE_SIZE  # noqa: E402
+from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+from pynanoqwen.oracles import attention_oracle, bound_report  # noqa: E402
+
+CLUSTER = 8  # blocks a cluster: the portable maximum
+NUM_SPLITS = 32  # splits a KV head: a multiple of CLUSTER (the product's 7B default is 33)
+
+INTRINSICS = '''
+from llvmlite import ir as _ir
+from numba.cuda import cgutils as _cgutils
+from numba.cuda.extending import intrinsic as _intrinsic
+from pynanoqwen.ptx.mbarrier import inline_ptx as _inline_ptx, shared_address as _shared_address
+
+CLUSTER = %d
+
+
+def _barrier_intrinsic(text):
+    @_intrinsic
+    def barrier(typingctx):
+        def codegen(context, builder, sig, args):
+            _inline_ptx(builder, text, "~{memory}", [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return barrier
+
+
+cluster_arrive_relaxed = _barrier_intrinsic("barrier.cluster.arrive.relaxed;")
+cluster_wait = _barrier_intrinsic("barrier.cluster.wait;")
+cluster_sync = _barrier_intrinsic("barrier.cluster.arrive.release;\\n\\tbarrier.cluster.wait.acquire;")
+
+
+@_intrinsic
+def store_to_leader(typingctx, array, index, value):
+    """array[index] = value in the shared memory of the cluster's block of rank 0."""
+    def codegen(context, builder, sig, args):
+        array_type, index_type, value_type = sig.args
+        ary = context.make_array(array_type)(context, builder, value=args[0])
+        index_v = context.cast(builder, args[1], index_type, types.intp)
+        pointer = _cgutils.get_item_pointer(context, builder, array_type, ary, [index_v], wraparound=False)
+        local = _shared_address(context, builder, pointer)
+        leader = _ir.Constant(_ir.IntType(32), 0)
+        _inline_ptx(builder, "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
+                    "st.shared::cluster.f32 [remote], $2; }", "r,r,f,~{memory}", [local, leader, args[2]])
+        return context.get_dummy_value()
+    return types.void(array, index, types.float32), codegen
+''' % CLUSTER
+
+E8, E12, E16 = " " * 8, " " * 12, " " * 16
+MERGE_START = E8 + "# Publish the partials GPU-wide, then count this block in; the last of the KV head's\n"
+MERGE_END = "\n    return decode_attention\n"
+CLUSTER_MERGE = '''        if cluster_active:
+            cluster_sync()  # the cluster's partials are in its leader's shared memory
+        if not cluster_active or rank != 0:
+            return
+        # The leader merges its cluster's splits with pages.
+        in_cluster = min(CLUSTER, active - cluster_index * CLUSTER)
+        for o in range(tid, GROUP * head_dim, THREADS):
+            row, dim = o // head_dim, o % head_dim
+            merged_max = NEG_INF
+            for r in range(in_cluster):
+                merged_max = max(merged_max, floats[C_MAX + r * GROUP + row])
+            value, total = ZERO, ZERO
+            for r in range(in_cluster):
+                weight = math.exp2(floats[C_MAX + r * GROUP + row] - merged_max)
+                value += floats[C_ACC + (r * GROUP + row) * head_dim + dim] * weight
+                total += floats[C_SUM + r * GROUP + row] * weight
+            head = kv_head * GROUP + row
+            if active_clusters == 1:
+                out[head * head_dim + dim] = value / total
+            else:
+                slot = head * NUM_CLUSTERS + cluster_index
+                part_acc[slot * head_dim + dim] = value
+                if dim == 0:
+                    part_max[slot] = merged_max
+                    part_sum[slot] = total
+        if active_clusters == 1:
+            return
+        # Several clusters have pages (longer contexts): their leaders meet through global memory as
+        # the product's blocks do, over active_clusters partials.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == active_clusters - 1
+        cuda.syncthreads()
+        if last_block[0] == 0:
+            return
+        cuda.threadfence()
+        if tid == 0:
+            arrivals[kv_head] = 0  # every leader of this launch has counted; ready for the next
+        for o in range(tid, GROUP * head_dim, THREADS):
+            row, dim = o // head_dim, o % head_dim
+            head = kv_head * GROUP + row
+            merged_max = NEG_INF
+            for c in range(active_clusters):
+                merged_max = max(merged_max, ld_global_cg_f32(part_max, head * NUM_CLUSTERS + c))
+            value, total = ZERO, ZERO
+            for c in range(active_clusters):
+                slot = head * NUM_CLUSTERS + c
+                weight = math.exp2(ld_global_cg_f32(part_max, slot) - merged_max)
+                value += ld_global_cg_f32(part_acc, slot * head_dim + dim) * weight
+                total += ld_global_cg_f32(part_sum, slot) * weight
+            out[head * head_dim + dim] = value / total
+'''
+EDITS = [
+    # the split's partial goes into the cluster leader's shared memory (slot: this block's rank)
+    (E8 + "if num_pages > 0:\n" + E12 + "for o in range(tid, GROUP * head_dim, THREADS):\n",
+     E8 + "rank = split % CLUSTER\n" + E8 + "if cluster_active:\n"
+     + E12 + "cluster_wait()  # (its arrive came before griddepcontrol.wait) every block of the cluster runs\n"
+     + E8 + "if num_pages > 0 and cluster_active:\n" + E12 + "for o in range(tid, GROUP * head_dim, THREADS):\n"),
+    (E16 + "slot = (kv_head * GROUP + row) * num_splits + split\n"
+     + E16 + "part_acc[slot * head_dim + dim] = value\n" + E16 + "if dim == 0:\n"
+     + E16 + "    part_max[slot] = merged_max\n" + E16 + "    part_sum[slot] = total\n",
+     E16 + "store_to_leader(floats, C_ACC + (rank * GROUP + row) * head_dim + dim, value)\n" + E16 + "if dim == 0:\n"
+     + E16 + "    store_to_leader(floats, C_MAX + rank * GROUP + row, merged_max)\n"
+     + E16 + "    store_to_leader(floats, C_SUM + rank * GROUP + row, total)\n"),
+    # the cluster's own region of shared memory, past the product's layout
+    ("    S_MAX, S_SUM = layout[\"split_max\"], layout[\"split_sum\"]\n",
+     "    S_MAX, S_SUM = layout[\"split_max\"], layout[\"split_sum\"]\n"
+     "    C_ACC = layout[\"bytes\"] // 4  # the leader's slots: CLUSTER partials of GROUP heads\n"
+     "    C_MAX = C_ACC + CLUSTER * GROUP * head_dim\n"
+     "    C_SUM = C_MAX + CLUSTER * GROUP\n"
+     "    NUM_CLUSTERS = num_splits // CLUSTER\n"),
+    # which clusters have pages, known from pos before the wait; theirs arrive at once
+    (E8 + "if warp == PRODUCER_WARP:\n" + E12 + "for i in range(early):\n",
+     E8 + "active = (pages_used + pages_per_split - 1) // pages_per_split  # splits with pages\n"
+     + E8 + "active_clusters = (active + CLUSTER - 1) // CLUSTER\n"
+     + E8 + "cluster_index = split // CLUSTER\n"
+     + E8 + "cluster_active = cluster_index < active_clusters\n"
+     + E8 + "if cluster_active:\n" + E12 + "cluster_arrive_relaxed()\n"
+     + E8 + "if warp == PRODUCER_WARP:\n" + E12 + "for i in range(early):\n"),
+    # the launcher: the cluster's region, and clusters of 1 x CLUSTER blocks
+    ("                                          consumers)[\"bytes\"]\n",
+     "                                          consumers)[\"bytes\"] \\\n"
+     "            + 4 * CLUSTER * (num_heads // num_kv_heads) * (head_dim + 2)\n"),
+    ("self.arrivals), shared_bytes=self.shared_bytes)", "self.arrivals), shared_bytes=self.shared_bytes, cluster=(1, CLUSTER))"),
+]
+
+
+def variant_source() -> str:
+    source = (ROOT / "pynanoqwen/kernels/attention_decode.py").read_text()
+    source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
+    source = source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + INTRINSICS, 1)
+    for old, new in EDITS:
+        if source.count(old) != 1:
+            raise SystemExit(f"attention_cluster_merge: the product kernel changed; this anchor occurs "
+                             f"{source.count(old)} times:\n{old}")
+        source = source.replace(old, new)
+    start, end = source.find(MERGE_START), source.find(MERGE_END)
+    if start < 0 or end < start or source.count(MERGE_START) != 1:
+        raise SystemExit("attention_cluster_merge: the product kernel's merge section moved")
+    return source[:start] + CLUSTER_MERGE + source[end:]
+
+
+def load_variant():
+    module = pytypes.ModuleType("attention_cluster_merge_kernel")
+    exec(compile(variant_source(), "attention_cluster_merge_kernel", "exec"), module.__dict__)
+    return module
+
+
+def build(variant: bool, max_pages: int):
+    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
+    if variant:
+        return load_variant().make_decode_attention(heads, kv_heads, head_dim, max_pages, num_splits=NUM_SPLITS)
+    return make_decode_attention(heads, kv_heads, head_dim, max_pages)
+
+
+CHECK_CONTEXTS = (1, 16, 17, 128, 129, 512, 513, 1024, 4096, 32768)
+
+
+def check(rng):
+    """Both kernels against float64 (oracles.attention_oracle's bound) at contexts that leave one
+    cluster, several, and a partial page; slots past the context hold NaN."""
+    from numba import cuda
+
+    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
+    max_pages = max(CHECK_CONTEXTS) // PAGE_SIZE
+    kernels = {"cluster merge": build(True, max_pages), "product": build(False, max_pages)}
+    results = []
+    for context in CHECK_CONTEXTS:
+        shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
+        page_table = rng.permutation(max_pages).astype(np.int32)
+        k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
+        positions = np.arange(context)
+        pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+        k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+        v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+        q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
+        expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
+                                           np.array([context - 1]), fp16_operands=False)
+        device = [cuda.to_device(a) for a in (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32))]
+        for name, attention in kernels.items():
+            out = cuda.to_device(np.full(heads * head_dim, np.nan, np.float16))
+            stream = cuda.stream()
+            for _ in range(2):  # twice: the second launch finds the counters the first one reset
+                attention.launch(stream, *device, out)
+            stream.synchronize()
+            error = np.abs(out.copy_to_host().astype(np.float64) - expected[0])
+            results.append(bound_report(f"{name} context {context}", error, bound[0]))
+    return results
+
+
+def timings(contexts=(16, 512, 1024, 4096, 32000)) -> list[dict]:
+    """us a launch: 28 launches over their own KV pools in one CUDA graph, PDL, as dev/attention_splits.py."""
+    from numba import cuda
+
+    from pynanoqwen.gpu_timing import time_graph
+
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    max_pages, pools, page_table, q = attention_inputs(rng, list(contexts), SEVEN_B.num_layers)
+    out = cuda.device_array(SEVEN_B.num_heads * SEVEN_B.head_dim, np.float16)
+    kernels = {"product us": build(False, max_pages), "cluster merge us": build(True, max_pages)}
+    rows = []
+    for context in contexts:
+        pos = cuda.to_device(np.array([context - 1], np.int32))
+        row = {"context": context}
+        for name, attention in kernels.items():
+            def enqueue(attention=attention):
+                for k_pages, v_pages in pools:
+                    attention.launch(stream, q, k_pages, v_pages, page_table, pos, out)
+
+            row[name] = 1e6 * time_graph(stream, enqueue, replays=20) / len(pools)
+        row["K+V GB/s (cluster)"] = 2 * context * SEVEN_B.kv_size * 2 / (row["cluster merge us"] * 1e-6) / 1e9
+        rows.append(row)
+    return rows
+
+
+def compile_targets():
+    """The variant at 7B shapes, for tests/test_dev_variants.py's compile check."""
+    from pynanoqwen.kernels import CompileTarget
+
+    module = load_variant()
+    product = module.compile_targets()[0]
+    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
+    kernel = module._build_kernel(heads, kv_heads, head_dim, NUM_SPLITS, module.STAGES, module.CONSUMERS,
+                                  module.MIN_PAGES_PER_SPLIT)
+    return [CompileTarget(f"decode_attention cluster merge[{NUM_SPLITS} splits, cluster {CLUSTER}]", kernel,
+                          product.signature,
+                          tuple(i for i in product.must_contain if i != "ld.global.cg.v4.f32")  # its merge reads 4 bytes
+                          + ("barrier.cluster.arrive.release", "mapa.shared::cluster.u32", "st.shared::cluster.f32"))]
+
+
+if __name__ == "__main__":
+    from harness import run
+
+    run(check, timings, "decode attention: partials merged in a cluster against through global memory")
