@@ -31,15 +31,11 @@ import sys
 import types as pytypes
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import SEVEN_B, attention_inputs  # noqa: E402
-from pynanoqwen.kernels import PAGE_SIZE  # noqa: E402
+from harness import SEVEN_B, check_decode_attention, time_decode_attention  # noqa: E402
 from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
-from pynanoqwen.oracles import attention_oracle, bound_report  # noqa: E402
 
 CLUSTER = 8  # blocks a cluster: the portable maximum
 NUM_SPLITS = 32  # splits a KV head: a multiple of CLUSTER (the product's 7B default is 33)
@@ -196,72 +192,23 @@ def load_variant():
     return module
 
 
-def build(variant: bool, max_pages: int):
+def builders() -> dict:
+    """name -> build(max_pages): the product's kernel and the variant."""
     heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    if variant:
-        return load_variant().make_decode_attention(heads, kv_heads, head_dim, max_pages, num_splits=NUM_SPLITS)
-    return make_decode_attention(heads, kv_heads, head_dim, max_pages)
-
-
-CHECK_CONTEXTS = (1, 16, 17, 128, 129, 512, 513, 1024, 4096, 32768)
+    variant = load_variant()
+    return {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages),
+            "cluster merge": lambda max_pages: variant.make_decode_attention(heads, kv_heads, head_dim, max_pages,
+                                                                             num_splits=NUM_SPLITS)}
 
 
 def check(rng):
-    """Both kernels against float64 (oracles.attention_oracle's bound) at contexts that leave one
-    cluster, several, and a partial page; slots past the context hold NaN."""
-    from numba import cuda
-
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    max_pages = max(CHECK_CONTEXTS) // PAGE_SIZE
-    kernels = {"cluster merge": build(True, max_pages), "product": build(False, max_pages)}
-    results = []
-    for context in CHECK_CONTEXTS:
-        shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
-        page_table = rng.permutation(max_pages).astype(np.int32)
-        k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
-        positions = np.arange(context)
-        pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-        k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
-        v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
-        q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
-        expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
-                                           np.array([context - 1]), fp16_operands=False)
-        device = [cuda.to_device(a) for a in (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32))]
-        for name, attention in kernels.items():
-            out = cuda.to_device(np.full(heads * head_dim, np.nan, np.float16))
-            stream = cuda.stream()
-            for _ in range(2):  # twice: the second launch finds the counters the first one reset
-                attention.launch(stream, *device, out)
-            stream.synchronize()
-            error = np.abs(out.copy_to_host().astype(np.float64) - expected[0])
-            results.append(bound_report(f"{name} context {context}", error, bound[0]))
-    return results
+    """At contexts that leave one cluster with pages, several, and a partial page; each launched
+    twice, so the second finds the counters the first one reset."""
+    return check_decode_attention(builders(), (1, 16, 17, 128, 129, 512, 513, 1024, 4096, 32768), rng, launches=2)
 
 
-def timings(contexts=(16, 512, 1024, 4096, 32000)) -> list[dict]:
-    """us a launch: 28 launches over their own KV pools in one CUDA graph, PDL, as dev/attention_splits.py."""
-    from numba import cuda
-
-    from pynanoqwen.gpu_timing import time_graph
-
-    rng = np.random.default_rng(0)
-    stream = cuda.stream()
-    max_pages, pools, page_table, q = attention_inputs(rng, list(contexts), SEVEN_B.num_layers)
-    out = cuda.device_array(SEVEN_B.num_heads * SEVEN_B.head_dim, np.float16)
-    kernels = {"product us": build(False, max_pages), "cluster merge us": build(True, max_pages)}
-    rows = []
-    for context in contexts:
-        pos = cuda.to_device(np.array([context - 1], np.int32))
-        row = {"context": context}
-        for name, attention in kernels.items():
-            def enqueue(attention=attention):
-                for k_pages, v_pages in pools:
-                    attention.launch(stream, q, k_pages, v_pages, page_table, pos, out)
-
-            row[name] = 1e6 * time_graph(stream, enqueue, replays=20) / len(pools)
-        row["K+V GB/s (cluster)"] = 2 * context * SEVEN_B.kv_size * 2 / (row["cluster merge us"] * 1e-6) / 1e9
-        rows.append(row)
-    return rows
+def timings() -> list[dict]:
+    return time_decode_attention(builders(), (16, 512, 1024, 4096, 32000))
 
 
 def compile_targets():

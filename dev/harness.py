@@ -1,5 +1,5 @@
 """What the dev/ scripts share: random INT4 weights, a float64 check of a GEMM, and its timing;
-decode attention's inputs at 7B shapes.
+decode attention's inputs at 7B shapes, its float64 check and its timing.
 
 Weights are random (speed does not depend on values); the timing rotates enough weight copies
 that together they exceed the L2 twice, so every call reads its weights from HBM, as a prefill
@@ -16,7 +16,7 @@ from pynanoqwen.bench import random_int4  # noqa: F401 (the dev scripts take it 
 from pynanoqwen.config import PRESETS
 from pynanoqwen.gpu_timing import time_graph, weight_copies
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
-from pynanoqwen.oracles import U32, Check, bound_report, gemm_oracle, silu_product_oracle
+from pynanoqwen.oracles import U32, Check, attention_oracle, bound_report, gemm_oracle, silu_product_oracle
 from pynanoqwen.quant import dequantize_int4
 
 SEVEN_B = PRESETS["7b"]
@@ -39,6 +39,62 @@ def attention_inputs(rng, contexts: list[int], layers: int):
     page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
     q = cuda.to_device((3 * rng.standard_normal((SEVEN_B.num_heads, SEVEN_B.head_dim))).astype(np.float32))
     return max_pages, pools, page_table, q
+
+
+def check_decode_attention(builders: dict, contexts: tuple[int, ...], rng, launches: int = 1) -> list[Check]:
+    """Each decode-attention kernel of `builders` (name -> build(max_pages)) at each context, 7B shapes,
+    against float64 (oracles.attention_oracle's bound): fresh random q and K/V, a shuffled page
+    table, NaN in every slot outside the context. `launches` > 1 runs each launch again on the same
+    inputs, so a counter a launch leaves behind shows."""
+    from pynanoqwen.kernels import PAGE_SIZE
+
+    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
+    max_pages = -(-max(contexts) // PAGE_SIZE)
+    kernels = {name: build(max_pages) for name, build in builders.items()}
+    results = []
+    for context in contexts:
+        shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
+        page_table = rng.permutation(max_pages).astype(np.int32)
+        k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
+        positions = np.arange(context)
+        pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+        k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+        v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+        q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
+        expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
+                                           np.array([context - 1]), fp16_operands=False)
+        device = [cuda.to_device(a) for a in (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32))]
+        for name, attention in kernels.items():
+            out = cuda.to_device(np.full(heads * head_dim, np.nan, np.float16))
+            stream = cuda.stream()
+            for _ in range(launches):
+                attention.launch(stream, *device, out)
+            stream.synchronize()
+            error = np.abs(out.copy_to_host().astype(np.float64) - expected[0])
+            results.append(bound_report(f"{name} context {context}", error, bound[0]))
+    return results
+
+
+def time_decode_attention(builders: dict, contexts: tuple[int, ...]) -> list[dict]:
+    """us a launch of each kernel of `builders` (name -> build(max_pages)) at each context: 28
+    launches over their own KV pools in one CUDA graph (PDL), as dev/attention_splits.py times them."""
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    max_pages, pools, page_table, q = attention_inputs(rng, list(contexts), SEVEN_B.num_layers)
+    out = cuda.device_array(SEVEN_B.num_heads * SEVEN_B.head_dim, np.float16)
+    kernels = {name: build(max_pages) for name, build in builders.items()}
+    rows = []
+    for context in contexts:
+        pos = cuda.to_device(np.array([context - 1], np.int32))
+        row = {"context": context}
+        for name, attention in kernels.items():
+            def enqueue(attention=attention):
+                for k_pages, v_pages in pools:
+                    attention.launch(stream, q, k_pages, v_pages, page_table, pos, out)
+
+            row[name] = 1e6 * time_graph(stream, enqueue, replays=20) / len(pools)
+        rows.append(row)
+    return rows
 
 
 def check_gemm(name: str, launch, n: int, k: int, m: int, epilogue: str, rng, extra_bound=None) -> Check:

@@ -55,9 +55,21 @@ def random_cache(rng, context):
 # setting appears with a change of the others (2-6 s a case on 2 cores).
 @pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 2, 1), (1, 4, 2)])
 def test_decode_attention_matches_softmax_reference(num_splits, stages, consumers):
+    matches_softmax_reference(make_decode_attention, num_splits, stages, consumers)
+
+
+@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
+def test_swizzled_ring_variant_matches_softmax_reference(num_splits, stages, consumers):
+    """dev/attention_swizzled_ring.py: the product's kernel with cp.async copies into a swizzled ring."""
+    from attention_swizzled_ring import load_variant
+
+    matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
+
+
+def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
-    attention = make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits,
-                                      stages=stages, consumers=consumers, min_pages_per_split=1)
+    attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
+                     consumers=consumers, min_pages_per_split=1)
     stream = cuda.stream()
     for context in (1, 5, 16, 17, 40):
         k_pages, v_pages, page_table = random_cache(rng, context)
