@@ -46,8 +46,10 @@ Merge across splits. Each block increments a per-KV-head counter; the block that
 (threadfence / atomic / threadfence, as in CUDA's threadFenceReduction sample) combines the
 partials of the splits that had pages (their loads 16 bytes wide, MERGE_UNROLL splits in flight
 at once, through L2 with `ld.global.cg`: other blocks wrote them), writes attn and resets the
-counter for the next launch. Programmatic dependent launch (ptx/griddep.py): barriers are set up
-before grid_dependency_wait; everything else waits for q and the K/V of this position.
+counter for the next launch. Programmatic dependent launch (ptx/griddep.py): the barriers, pos,
+the page table and the copies of the split's first ring of pages go out before grid_dependency_wait
+(all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the page holding pos,
+whose row the QKV GEMV writes, wait.
 
 Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (64 KiB at 8 stages, head_dim 128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
 merge's weights (2 x group x num_splits floats): ~80 KiB.
@@ -59,6 +61,10 @@ issues 16 ldmatrix.x4, 64 mma (hi and lo halves), ~60 softmax instructions and 3
 rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
 of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
+Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us (the ldmatrix bank conflicts of four
+consumers sharing one shared-memory pipe would explain ~1 us: dev/attention_swizzled_ring.py is the
+test), and a short launch ~8.7 us, more than half of it the cross-block merge (fence, atomic, and
+its L2 round trips of ~1 us each: dev/attention_cluster_merge.py).
 """
 
 from __future__ import annotations
