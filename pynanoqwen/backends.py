@@ -112,8 +112,10 @@ class CpuBackend:
         """The generation after the prompt ran: sample from the prompt's last `logits`, then run
         each sampled token through the model for the next, as `generate` describes; with lookup,
         each pass runs the sampled token and a draft from the context (prompt_lookup.py)."""
-        rng = np.random.default_rng(params.seed)
         self.lookup_stats = LookupStats() if lookup.enabled else None
+        if max_new_tokens < 1:  # /infill's n_predict 0: the prompt only (a cache warm-up), as the GPU engine does
+            return
+        rng = np.random.default_rng(params.seed)
         drafter = Drafter(lookup, prompt_ids) if lookup.enabled else None
         new = [sample(logits, params, rng)]
         produced = 0

@@ -233,6 +233,14 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
      "unknown_field"),
     ("/infill", {"input_prefix": "x", "input_suffix": "", "input_extra": [{"text": "y = 1\n" * 4000}]}, 400,
      "input_prefix", "context_length_exceeded"),  # a body parsed on a worker thread
+    # These were 500s: a top_k beyond int32 (SamplingParams refused it), a number beyond any double.
+    ("/v1/completions", {"model": "M", "prompt": "x", "top_k": 2**31}, 400, "top_k", "invalid_value"),
+    ("/infill", {"input_prefix": "x", "input_suffix": "", "top_k": 2**40}, 400, "top_k", "invalid_value"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "temperature": 10**400}, 400, "temperature", "invalid_value"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "presence_penalty": 10**400}, 400, "presence_penalty",
+     "invalid_value"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "logit_bias": {"7": -10**400}}, 400, "logit_bias.7",
+     "invalid_value"),
 ])
 def test_bad_requests_get_openai_errors(server, http, path, body, status, param, code):
     _, model = server
@@ -242,6 +250,13 @@ def test_bad_requests_get_openai_errors(server, http, path, body, status, param,
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert (error["param"], error["code"]) == (param, code) and error["message"] and error["type"]
+
+
+def test_an_infill_of_no_tokens_only_runs_the_prompt(http):
+    """llama.vim's cache warm-up (n_predict 0) generated until the context was full, then was a 500."""
+    answer = http.post("/infill", json={"input_prefix": "def f(x):\n", "input_suffix": "\n", "n_predict": 0})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["content"], answer.json()["tokens_predicted"]) == ("", 0)
 
 
 def test_context_errors_say_by_how_much(server, http):
@@ -256,6 +271,7 @@ def test_context_errors_say_by_how_much(server, http):
     ("POST", "/v1/completions", b'{"model": NaN}', 400),
     ("POST", "/v1/completions", b"\xff\xfe\x00", 400),
     ("POST", "/v1/completions", b"[" * 100000, 400),
+    ("POST", "/v1/completions", b'{"model": "x", "prompt": "x", "temperature": 1e400}', 400),
     ("POST", "/v1/completions", b"x" * (16 * 2**20 + 1), 413),
     ("GET", "/v1/completions", b"", 405),
     ("GET", "/nowhere", b"", 404),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+from ..config import MAX_INT32
 from ..generate import build_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -35,11 +36,12 @@ from .schema import (Anything, Bool, Choice, Field, Int, ListOf, MapOf, Neutral,
                      Str, fields, text_list)
 
 SEED = Int(0, 2**63 - 1)
+TOP_K = Int(0, MAX_INT32)  # the GPU sampler holds it in an int32 (sampling.SamplingParams.validate)
 STOP = Nullable(OneOf((Str(min_length=1), ListOf(Str(min_length=1), max_items=4))))
 OPENAI_SAMPLING = fields(
     temperature=Field(Nullable(Number(0.0, 2.0)), 1.0),
     top_p=Field(Nullable(Number(0.0, 1.0, exclusive_minimum=True)), 1.0),
-    top_k=Field(Nullable(Int(0)), 0, description="not OpenAI's: sample among the K most probable (0: all)"),
+    top_k=Field(Nullable(TOP_K), 0, description="not OpenAI's: sample among the K most probable (0: all)"),
     seed=Field(Nullable(SEED), description="the same seed and request give the same tokens; none: random"),
     stop=Field(STOP, description="up to 4 strings; the text ends before the first one generated"),
     stream=Field(Nullable(Bool()), False),
@@ -86,7 +88,7 @@ INFILL = Object(fields(
     n_predict=Field(Int(-1), -1, description="-1: until a stop or the end of the context; 0: only the prompt"),
     stream=Field(Bool(), False),
     temperature=Field(Number(0.0, 100.0), 0.8),
-    top_k=Field(Int(0), 40),
+    top_k=Field(TOP_K, 40),
     top_p=Field(Number(0.0, 1.0, exclusive_minimum=True), 0.95),
     seed=Field(Int(-1, 2**63 - 1), -1, description="-1: random"),
     stop=Field(ListOf(Str(min_length=1))),

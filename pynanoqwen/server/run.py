@@ -51,6 +51,8 @@ class ServeOptions:
     lookup: LookupParams = LookupParams()  # prompt-lookup speculative decoding for every request
 
     def validate(self) -> "ServeOptions":
+        if not self.host.strip():  # the socket would listen on every interface, as for 0.0.0.0
+            raise NanoQwenError("--host is empty; give an address (0.0.0.0 opens the server to the network)")
         if not 0 <= self.port <= 65535:
             raise NanoQwenError(f"--port must be between 0 and 65535, got {self.port}")
         if self.max_context < 2:

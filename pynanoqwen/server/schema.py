@@ -112,14 +112,20 @@ class Number(Type):
     expected = "a number"
 
     def check(self, value, path):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _invalid(path, self.expected, value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal beyond any double, e.g. 1 followed by 400 zeros
+            raise _out_of_range(path, "the number is too large") from None
+        if not math.isfinite(value):  # json.loads reads 1e400 as inf, and takes NaN and Infinity
+            raise _out_of_range(path, "the number must be finite")
         if self.minimum is not None and (value <= self.minimum if self.exclusive_minimum else value < self.minimum):
             raise _out_of_range(path, f"{value} must be {'greater than' if self.exclusive_minimum else 'at least'} "
                                       f"{self.minimum}")
         if self.maximum is not None and value > self.maximum:
             raise _out_of_range(path, f"{value} is greater than the maximum of {self.maximum}")
-        return float(value)
+        return value
 
     def schema(self):
         out: dict = {"type": "number"}
