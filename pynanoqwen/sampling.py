@@ -15,10 +15,16 @@ import numpy as np
 from .config import MAX_INT32
 from .errors import NanoQwenError
 
+# Temperatures below this sample as greedy, their limit. Much smaller ones overflow the scaled logits
+# into NaN probabilities (1 / T is a float32 on the GPU: inf below 3e-39), and already at this one every
+# token but the argmax has probability below e^-100 unless its logit is within 1e-28 of the largest.
+MIN_SAMPLING_TEMPERATURE = 1e-30
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean 'no limit'."""
+    """temperature 0 (or below MIN_SAMPLING_TEMPERATURE) means greedy (argmax); top_k 0 and top_p 1.0
+    mean 'no limit'."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -40,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 def candidate_probabilities(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:

@@ -87,3 +87,12 @@ def test_info_on_a_truncated_model(tmp_path):
     path.write_bytes(data[:len(data) // 2])
     assert_one_error_line(run_module("info", path), f"{path}: header: file_size says {len(data)} bytes but the "
                                                     f"file has {len(data) // 2} (truncated or appended to)")
+
+
+def test_a_vanishing_temperature_samples_as_greedy():
+    """`--temperature 1e-320` overflowed logits / T into NaN probabilities: numpy warnings on stderr
+    and tokens that were not the model's most probable."""
+    args = ["generate", "--device", "cpu", "--max-new-tokens", "6", "def f(x):"]
+    greedy, tiny = run_module(*args), run_module(*args, "--temperature", "1e-320")
+    assert greedy.returncode == tiny.returncode == 0, tiny.stderr
+    assert tiny.stdout == greedy.stdout and "Warning" not in tiny.stderr
