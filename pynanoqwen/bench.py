@@ -66,6 +66,7 @@ class BenchSettings:
     seed: int = 0
 
     CONTEXT_GEN_TOKENS = 32  # tokens generated per run of the context sweep
+    EAGER_PROMPT_TOKENS = 16  # the prompt of the eager run: the first tokens of the graph run's
 
     def validate(self) -> "BenchSettings":
         if (self.model is None) == (self.synthetic is None):
@@ -85,10 +86,15 @@ class BenchSettings:
             raise NanoQwenError(f"--gemv must be {' or '.join(GEMV_PATHS)}, got {self.gemv!r}")
         if self.baseline not in (None, "torch"):
             raise NanoQwenError(f"--baseline must be torch, got {self.baseline!r}")
-        if self.synthetic is not None:
-            preset(self.synthetic)  # an unknown preset is refused before the GPU is looked for
-        else:
-            NanoQwenFile(self.model, verify_data=False).close()  # so is a missing or malformed file
+        # An unknown preset, a missing or malformed file and runs longer than the model's context
+        # are refused before the GPU is looked for (the sweeps are cut to fit, the timed runs are not).
+        model_context = (preset(self.synthetic) if self.synthetic is not None
+                         else _file_config(self.model)).max_position_embeddings
+        needed = self.fitting(model_context).max_context
+        if needed > model_context:
+            raise NanoQwenError(f"the timed runs need a context of {needed} positions (--prompt-tokens + --gen-tokens, "
+                                f"or {self.EAGER_PROMPT_TOKENS} + --eager-tokens, and 16 to spare), more than the "
+                                f"model's {model_context}")
         return self
 
     def fitting(self, model_context: int) -> "BenchSettings":
@@ -100,7 +106,8 @@ class BenchSettings:
 
     @property
     def max_context(self) -> int:
-        return max(self.prompt_tokens + self.gen_tokens, *self.prefill_lengths,
+        return max(self.prompt_tokens + self.gen_tokens, min(self.prompt_tokens, self.EAGER_PROMPT_TOKENS)
+                   + self.eager_tokens, *self.prefill_lengths,
                    *(c + self.CONTEXT_GEN_TOKENS for c in self.contexts), 0) + 16
 
 
@@ -190,7 +197,8 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     graph = measure_mode(backend, prompt, settings.gen_tokens, settings.repeats, per_step, copy_gbs)
     progress(f"eager mode: {settings.eager_tokens} tokens")
     backend.eager = True
-    eager = measure_mode(backend, prompt[:16], settings.eager_tokens, 1, per_step, copy_gbs)
+    eager = measure_mode(backend, prompt[:settings.EAGER_PROMPT_TOKENS], settings.eager_tokens, 1, per_step,
+                         copy_gbs)
     backend.eager = False
     result = {
         "settings": {"model": settings.model or f"synthetic:{settings.synthetic}",

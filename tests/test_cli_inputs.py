@@ -36,10 +36,20 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
      "--json /nonexistent/run.json: its directory does not exist"),
     (["bench", "--synthetic", "7b", "--model", EMBEDDED_MODEL],
      "give exactly one of --model FILE and --synthetic PRESET"),
+    (["bench", "--synthetic", "tiny", "--prompt-tokens", "4000"],
+     "the timed runs need a context of 4144 positions (--prompt-tokens + --gen-tokens, or 16 + --eager-tokens, and "
+     "16 to spare), more than the model's 2048"),
+    (["bench", "--model", EMBEDDED_MODEL, "--eager-tokens", "3000"],
+     "the timed runs need a context of 3032 positions (--prompt-tokens + --gen-tokens, or 16 + --eager-tokens, and "
+     "16 to spare), more than the model's 2048"),
+    (["serve", "--host", ""], "--host is empty; give an address (0.0.0.0 opens the server to the network)"),
 ], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
-        "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both"])
+        "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
+        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
-    """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU."""
+    """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
+    `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
+    `serve --host ''` listened on every interface."""
     assert_one_error_line(run_module(*args), expected)
 
 
