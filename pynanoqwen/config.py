@@ -188,7 +188,7 @@ def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
         raise error(f"{path} is a directory, not a JSON file") from None
     except OSError as err:
         raise error(f"cannot read {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:  # RecursionError: nested too deep
         raise error(f"{path} is not valid JSON: {bad}") from None
     if not isinstance(value, dict):
         raise error(f"{path} is not a JSON object")

@@ -40,6 +40,7 @@ import math
 import os
 import resource
 import signal
+import stat
 import sys
 import threading
 import time
@@ -238,8 +239,8 @@ def read_extra_eos_ids(hf_dir: Path, hf_config: dict, cfg: ModelConfig) -> tuple
 
 
 def check_output_path(hf_dir: Path, out_path: Path, overwrite: bool) -> None:
-    """Refuse an OUT inside the checkpoint, an OUT that is a directory or whose directory is
-    missing, and an existing OUT unless `overwrite`."""
+    """Refuse an OUT inside the checkpoint, an OUT that is a directory, a device or a FIFO or whose
+    directory is missing, and an existing OUT unless `overwrite`."""
     where = out_path.resolve()
     if where.is_relative_to(hf_dir.resolve()):
         raise CheckpointError(f"{out_path} is inside the checkpoint directory {hf_dir}; write the "
@@ -248,6 +249,8 @@ def check_output_path(hf_dir: Path, out_path: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{out_path} is a directory; give the path of the .nanoqwen file to write")
     if not where.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: the directory {out_path.parent} does not exist")
+    if out_path.exists() and not out_path.is_file():  # the rename would put a file where /dev/null or a FIFO was
+        raise CheckpointError(f"{out_path} is not a regular file; give the path of the .nanoqwen file to write")
     if os.path.lexists(out_path) and not overwrite:
         raise CheckpointError(f"{out_path} exists; pass --force to replace it")
 
@@ -310,6 +313,8 @@ def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:
 def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
     """Parse and check one safetensors header: known dtypes, consistent sizes, data inside the file."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a FIFO would wait for a writer forever
+            raise CheckpointError(f"{path} is not a regular file")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
@@ -319,7 +324,7 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
             header = json.loads(f.read(header_len).decode("utf-8"))
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
@@ -331,7 +336,7 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
             continue
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if not all(isinstance(d, int) and d >= 0 for d in shape + (begin, end)):
+            if not isinstance(dtype, str) or not all(isinstance(d, int) and d >= 0 for d in shape + (begin, end)):
                 raise ValueError
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{path}: tensor {name} has a malformed header entry {entry!r}") from None

@@ -8,9 +8,11 @@ error must name its culprit, exit 1 through the CLI with one `error:` line, and 
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 
@@ -197,6 +199,25 @@ def _edit_json(name, **changes):
     return mutate
 
 
+def _edit_header_entry(name, **changes):
+    """Change fields of one tensor's entry in model.safetensors' header, its data left as it is
+    (data_offsets count from the end of the header, so the header may change length)."""
+    def mutate(hf_dir):
+        path = hf_dir / "model.safetensors"
+        data = path.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + length])
+        header[name].update(changes)
+        text = json.dumps(header).encode()
+        path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+    return mutate
+
+
+def _nested_header(hf_dir):
+    text = b"[" * 100_000
+    (hf_dir / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
+
+
 def _replace_with_directory(name):
     def mutate(hf_dir):
         (hf_dir / name).unlink()
@@ -272,6 +293,12 @@ ERROR_CASES = {
                                 CheckpointError, "name 10 end-of-generation ids besides eos_token_id"),
     "generation-config-broken": (lambda d: (d / "generation_config.json").write_text("{"), CheckpointError,
                                  "generation_config.json is not valid JSON"),
+    # These three were a TypeError or RecursionError traceback.
+    "dtype-not-a-string": (_edit_header_entry(NORM, dtype=["F32"]), CheckpointError,
+                           "model.safetensors: tensor model.norm.weight has a malformed header entry"),
+    "header-nested-too-deep": (_nested_header, CheckpointError, "model.safetensors has a corrupt safetensors header"),
+    "config-nested-too-deep": (lambda d: (d / "config.json").write_text("[" * 100_000), ConfigError,
+                               "config.json is not valid JSON"),
 }
 
 
@@ -449,6 +476,31 @@ def test_an_out_that_cannot_be_a_file_is_refused_before_reading_weights(tmp_path
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message.format(parent=out.parent) in lines[0]
     assert "convert:" not in result.stderr  # no progress bar: refused before the first tensor
+
+
+def test_weights_in_a_fifo_are_refused_not_waited_for(tmp_path, bf16_checkpoint):
+    """Opening a FIFO waits for a writer: convert hung, silently, forever."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    (hf_dir / "model.safetensors").unlink()
+    os.mkfifo(hf_dir / "model.safetensors")
+    result = subprocess.run([sys.executable, "-m", "pynanoqwen", "convert", str(hf_dir), str(tmp_path / "m.nanoqwen")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == f"error: {hf_dir / 'model.safetensors'} is not a regular file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_force_does_not_replace_what_is_not_a_file(tmp_path, bf16_checkpoint):
+    """`convert hf /dev/null --force` renamed the new file over the device (as root); a FIFO shows it."""
+    out = tmp_path / "pipe"
+    os.mkfifo(out)
+    for force in ([], ["--force"]):
+        result = run_convert(bf16_checkpoint, out, *force)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == f"error: {out} is not a regular file; give the path of the .nanoqwen file to write\n"
+        assert stat.S_ISFIFO(os.stat(out).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]
 
 
 SIGNAL_DURING_QUANTIZATION = """
