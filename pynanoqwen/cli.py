@@ -182,6 +182,8 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
                              kernels=not no_kernels, gemv_paths=not no_gemv_paths,
                              prefill_lengths=() if no_prefill_sweep else BenchSettings.prefill_lengths,
                              gemm_tiles=not no_gemm_tiles, contexts=_token_counts("--contexts", contexts)).validate()
+    if json_path is not None and not json_path.strip():  # it would have written nothing, silently
+        raise NanoQwenError("--json is empty; give the path of the JSON file to write")
     if json_path and not Path(json_path).resolve().parent.is_dir():  # found out now, not after the run
         raise NanoQwenError(f"--json {json_path}: its directory does not exist")
     with library_warnings(verbose):

@@ -43,13 +43,14 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
      "the timed runs need a context of 3032 positions (--prompt-tokens + --gen-tokens, or 16 + --eager-tokens, and "
      "16 to spare), more than the model's 2048"),
     (["serve", "--host", ""], "--host is empty; give an address (0.0.0.0 opens the server to the network)"),
+    (["bench", "--synthetic", "7b", "--json", ""], "--json is empty; give the path of the JSON file to write"),
 ], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
         "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
-        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host"])
+        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
     `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
-    `serve --host ''` listened on every interface."""
+    `serve --host ''` listened on every interface and `bench --json ''` wrote no file, silently."""
     assert_one_error_line(run_module(*args), expected)
 
 
