@@ -116,7 +116,7 @@ class NanoQwenFile:
     """
 
     def __init__(self, path, *, verify_data: bool = True):
-        self.path = Path(path)
+        self.path = model_path(path)
         self._mmap = None
         self._bytes = None  # the whole file as a read-only uint8 array; tensors are views of it
         self._tensors: dict[str, _Tensor] = {}
@@ -331,6 +331,13 @@ class NanoQwenFile:
             raise self._fail(where, f"text is not valid UTF-8 ({bad.reason})") from None
         self.tokenizer_json = blob[TOKENIZER_PRELUDE.size:json_end]
         self.chat_template = template
+
+
+def model_path(path) -> Path:
+    """`path` (a str or Path) as a Path, refused when empty: Path("") is ".", a directory."""
+    if not str(path).strip():
+        raise FormatError("the model path is empty; give the path of a .nanoqwen file")
+    return Path(path)
 
 
 def _map_read_only(path: Path) -> mmap.mmap:

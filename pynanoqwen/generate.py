@@ -17,7 +17,7 @@ from pathlib import Path
 from . import device as cuda_device
 from .backends import Backend, load_backend
 from .errors import NanoQwenError
-from .fileformat import NanoQwenFile
+from .fileformat import NanoQwenFile, model_path
 from .kernels import GEMV_PATHS
 from .prompt_lookup import LookupParams, LookupStats, check_device
 from .sampling import SamplingParams
@@ -195,7 +195,7 @@ def resolve_prompt(options: GenerateOptions) -> str:
 def resolve_model(model: str | None) -> Path:
     """The model file to run: --model, or the embedded tiny-coder (pynanoqwen/data) without one."""
     if model is not None:
-        return Path(model)
+        return model_path(model)
     from .data import EMBEDDED_MODEL
 
     if not EMBEDDED_MODEL.is_file():

@@ -60,7 +60,7 @@ from . import device, gates, transformers_adapter
 from .backends import CpuBackend, load_engine
 from .data import EMBEDDED_MODEL, held_out_prompts
 from .errors import NanoQwenError
-from .fileformat import NanoQwenFile
+from .fileformat import NanoQwenFile, model_path
 from .kernels import GEMV_PATHS
 from .oracles import Check, passed, skipped
 from .reference import LM_HEAD_ROWS, ReferenceModel, decoder_layer, layer_nbytes, load_layer, rms_norm
@@ -159,7 +159,7 @@ def validate(model: str | None, device_name: str = "auto", prompts: int = DEFAUL
         raise NanoQwenError(f"--prompts must be >= 1, got {prompts}")
     if seed is not None and seed < 0:
         raise NanoQwenError(f"--seed must be >= 0, got {seed}")
-    path = Path(model) if model is not None else EMBEDDED_MODEL
+    path = model_path(model) if model is not None else EMBEDDED_MODEL  # an empty path is an argument error
     embedded = model is None or path.resolve() == EMBEDDED_MODEL.resolve()
     seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed
     target = Target(path, embedded, prompts, seed)

@@ -107,3 +107,11 @@ def test_a_vanishing_temperature_samples_as_greedy():
     greedy, tiny = run_module(*args), run_module(*args, "--temperature", "1e-320")
     assert greedy.returncode == tiny.returncode == 0, tiny.stderr
     assert tiny.stdout == greedy.stdout and "Warning" not in tiny.stderr
+
+
+@pytest.mark.parametrize("args", [["info", ""], ["generate", "--device", "cpu", "--model", "", "x"],
+                                  ["bench", "--model", ""], ["validate", "--device", "cpu", "--model", ""]],
+                         ids=["info", "generate", "bench", "validate"])
+def test_an_empty_model_path_is_named_as_empty(args):
+    """An empty path was reported as `.: is a directory`."""
+    assert_one_error_line(run_module(*args), "the model path is empty; give the path of a .nanoqwen file")
