@@ -292,7 +292,7 @@ def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_path} is not a valid index (a JSON object with a weight_map object)")
     for shard in weight_map.values():
-        if not isinstance(shard, str) or Path(shard).name != shard:
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
             raise CheckpointError(f"{index_path} names shard {shard!r}, not a file name in {hf_dir}")
     sources: dict[str, SourceTensor] = {}
     for shard in sorted(set(weight_map.values())):

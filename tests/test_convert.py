@@ -361,11 +361,15 @@ def _unmap_tensor(hf_dir):
     (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": 3,
                                                                       "lm_head.weight": "x.safetensors"})(d),
      "model.safetensors.index.json names shard 3, not a file name in"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": ".."})(d),
+     "model.safetensors.index.json names shard '..', not a file name in"),  # was "cannot read DIR/..: Is a directory"
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": ""})(d),
+     "model.safetensors.index.json names shard '', not a file name in"),
     (lambda d: _edit_json("model.safetensors.index.json", weight_map=[1])(d),
      "model.safetensors.index.json is not a valid index (a JSON object with a weight_map object)"),
     (_replace_with_directory("model.safetensors.index.json"), "model.safetensors.index.json is a directory"),
-], ids=["missing-shard", "index-disagrees", "index-shard-a-list", "index-shard-a-number", "index-map-a-list",
-        "index-a-directory"])
+], ids=["missing-shard", "index-disagrees", "index-shard-a-list", "index-shard-a-number", "index-shard-dotdot",
+        "index-shard-empty", "index-map-a-list", "index-a-directory"])
 def test_sharded_errors(tmp_path, sharded_checkpoint, mutate, message):
     hf_dir = tmp_path / "hf"
     shutil.copytree(sharded_checkpoint, hf_dir)
