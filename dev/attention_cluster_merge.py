@@ -14,8 +14,10 @@ through global memory; otherwise the clusters' leaders merge their partials as t
 do, over at most num_splits / CLUSTER partials instead of num_splits.
 
 The variant is the product's source with the edits below applied at import (each anchor must occur
-once, so a change of the product's kernel stops this script instead of measuring something else);
-the simulator has no clusters, so its only checks are on the GPU:
+once, so a change of the product's kernel stops this script instead of measuring something else).
+The simulator runs one block at a time, so tests/sim/test_attention_sim.py checks it there with
+clusters of one block (each block its own leader: both merge paths, not the distributed shared
+memory); the rest is checked on the GPU:
 
     python dev/attention_cluster_merge.py
 
@@ -44,12 +46,29 @@ INTRINSICS = '''
 from llvmlite import ir as _ir
 from numba.cuda import cgutils as _cgutils
 from numba.cuda.extending import intrinsic as _intrinsic
+from pynanoqwen.ptx import SIMULATOR as _SIMULATOR, simulator_twin as _simulator_twin
 from pynanoqwen.ptx.mbarrier import inline_ptx as _inline_ptx, shared_address as _shared_address
 
 CLUSTER = %d
+if _SIMULATOR and CLUSTER != 1:
+    raise RuntimeError("the CUDA simulator runs one block at a time: only clusters of one block")
+CLUSTER_SHAPE = None if _SIMULATOR else (1, CLUSTER)
 
 
-def _barrier_intrinsic(text):
+def _nothing():
+    return None
+
+
+def _block_barrier():  # a cluster of one block, in the simulator
+    cuda.syncthreads()  # this module's `cuda`, which the simulator swaps for its own during a launch
+
+
+def _store_here(array, index, value):  # ... whose leader is the block itself
+    array[index] = value
+
+
+def _barrier_intrinsic(text, simulated):
+    @_simulator_twin(simulated)
     @_intrinsic
     def barrier(typingctx):
         def codegen(context, builder, sig, args):
@@ -59,11 +78,12 @@ def _barrier_intrinsic(text):
     return barrier
 
 
-cluster_arrive_relaxed = _barrier_intrinsic("barrier.cluster.arrive.relaxed;")
-cluster_wait = _barrier_intrinsic("barrier.cluster.wait;")
-cluster_sync = _barrier_intrinsic("barrier.cluster.arrive.release;\\n\\tbarrier.cluster.wait.acquire;")
+cluster_arrive_relaxed = _barrier_intrinsic("barrier.cluster.arrive.relaxed;", _nothing)
+cluster_wait = _barrier_intrinsic("barrier.cluster.wait;", _block_barrier)
+cluster_sync = _barrier_intrinsic("barrier.cluster.arrive.release;\\n\\tbarrier.cluster.wait.acquire;", _block_barrier)
 
 
+@_simulator_twin(_store_here)
 @_intrinsic
 def store_to_leader(typingctx, array, index, value):
     """array[index] = value in the shared memory of the cluster's block of rank 0."""
@@ -78,7 +98,7 @@ def store_to_leader(typingctx, array, index, value):
                     "st.shared::cluster.f32 [remote], $2; }", "r,r,f,~{memory}", [local, leader, args[2]])
         return context.get_dummy_value()
     return types.void(array, index, types.float32), codegen
-''' % CLUSTER
+'''
 
 E8, E12, E16 = " " * 8, " " * 12, " " * 16
 MERGE_START = E8 + "# Publish the partials GPU-wide, then count this block in; the last of the KV head's\n"
@@ -167,14 +187,15 @@ EDITS = [
     ("                                          consumers)[\"bytes\"]\n",
      "                                          consumers)[\"bytes\"] \\\n"
      "            + 4 * CLUSTER * (num_heads // num_kv_heads) * (head_dim + 2)\n"),
-    ("self.arrivals), shared_bytes=self.shared_bytes)", "self.arrivals), shared_bytes=self.shared_bytes, cluster=(1, CLUSTER))"),
+    ("self.arrivals), shared_bytes=self.shared_bytes)", "self.arrivals), shared_bytes=self.shared_bytes, cluster=CLUSTER_SHAPE)"),
 ]
 
 
-def variant_source() -> str:
+def variant_source(cluster: int = CLUSTER) -> str:
     source = (ROOT / "pynanoqwen/kernels/attention_decode.py").read_text()
     source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
-    source = source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + INTRINSICS, 1)
+    source = source.replace("from __future__ import annotations\n",
+                            "from __future__ import annotations\n" + INTRINSICS % cluster, 1)
     for old, new in EDITS:
         if source.count(old) != 1:
             raise SystemExit(f"attention_cluster_merge: the product kernel changed; this anchor occurs "
@@ -186,9 +207,11 @@ def variant_source() -> str:
     return source[:start] + CLUSTER_MERGE + source[end:]
 
 
-def load_variant():
+def load_variant(cluster: int = CLUSTER):
+    """The variant as a module; clusters of `cluster` blocks (1 in the simulator, which has no clusters:
+    tests/sim/test_attention_sim.py checks its merge paths that way)."""
     module = pytypes.ModuleType("attention_cluster_merge_kernel")
-    exec(compile(variant_source(), "attention_cluster_merge_kernel", "exec"), module.__dict__)
+    exec(compile(variant_source(cluster), "attention_cluster_merge_kernel", "exec"), module.__dict__)
     return module
 
 

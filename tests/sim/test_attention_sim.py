@@ -66,6 +66,15 @@ def test_swizzled_ring_variant_matches_softmax_reference(num_splits, stages, con
     matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
 
 
+@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
+def test_cluster_merge_variant_with_one_block_clusters(num_splits, stages, consumers):
+    """dev/attention_cluster_merge.py in clusters of one block (the simulator runs blocks one at a
+    time): the leader's merge and, with several splits holding pages, the leaders' global merge."""
+    from attention_cluster_merge import load_variant
+
+    matches_softmax_reference(load_variant(cluster=1).make_decode_attention, num_splits, stages, consumers)
+
+
 def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
     attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
