@@ -30,13 +30,12 @@ is written (the leader) outlives the writes (it waits at the barrier after them)
 from __future__ import annotations
 
 import sys
-import types as pytypes
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import SEVEN_B, check_decode_attention, time_decode_attention  # noqa: E402
+from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
+                     time_decode_attention, variant_compile_target)
 from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
 
 CLUSTER = 8  # blocks a cluster: the portable maximum
@@ -192,27 +191,14 @@ EDITS = [
 
 
 def variant_source(cluster: int = CLUSTER) -> str:
-    source = (ROOT / "pynanoqwen/kernels/attention_decode.py").read_text()
-    source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
-    source = source.replace("from __future__ import annotations\n",
-                            "from __future__ import annotations\n" + INTRINSICS % cluster, 1)
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"attention_cluster_merge: the product kernel changed; this anchor occurs "
-                             f"{source.count(old)} times:\n{old}")
-        source = source.replace(old, new)
-    start, end = source.find(MERGE_START), source.find(MERGE_END)
-    if start < 0 or end < start or source.count(MERGE_START) != 1:
-        raise SystemExit("attention_cluster_merge: the product kernel's merge section moved")
-    return source[:start] + CLUSTER_MERGE + source[end:]
+    return edited_kernel_source("attention_cluster_merge", INTRINSICS % cluster, EDITS,
+                                [(MERGE_START, MERGE_END, CLUSTER_MERGE)])
 
 
 def load_variant(cluster: int = CLUSTER):
     """The variant as a module; clusters of `cluster` blocks (1 in the simulator, which has no clusters:
     tests/sim/test_attention_sim.py checks its merge paths that way)."""
-    module = pytypes.ModuleType("attention_cluster_merge_kernel")
-    exec(compile(variant_source(cluster), "attention_cluster_merge_kernel", "exec"), module.__dict__)
-    return module
+    return load_source(variant_source(cluster), "attention_cluster_merge_kernel")
 
 
 def builders() -> dict:
@@ -236,17 +222,10 @@ def timings() -> list[dict]:
 
 def compile_targets():
     """The variant at 7B shapes, for tests/test_dev_variants.py's compile check."""
-    from pynanoqwen.kernels import CompileTarget
-
-    module = load_variant()
-    product = module.compile_targets()[0]
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    kernel = module._build_kernel(heads, kv_heads, head_dim, NUM_SPLITS, module.STAGES, module.CONSUMERS,
-                                  module.MIN_PAGES_PER_SPLIT)
-    return [CompileTarget(f"decode_attention cluster merge[{NUM_SPLITS} splits, cluster {CLUSTER}]", kernel,
-                          product.signature,
-                          tuple(i for i in product.must_contain if i != "ld.global.cg.v4.f32")  # its merge reads 4 bytes
-                          + ("barrier.cluster.arrive.release", "mapa.shared::cluster.u32", "st.shared::cluster.f32"))]
+    name = f"decode_attention cluster merge[{NUM_SPLITS} splits, cluster {CLUSTER}]"
+    return [variant_compile_target(load_variant(), name, None, NUM_SPLITS, drop=("ld.global.cg.v4.f32",),  # its merge reads 4 bytes
+                                   add=("barrier.cluster.arrive.release", "mapa.shared::cluster.u32",
+                                        "st.shared::cluster.f32"))]
 
 
 if __name__ == "__main__":

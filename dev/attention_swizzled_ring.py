@@ -25,13 +25,12 @@ tests/sim/test_attention_sim.py runs it in the simulator; on the GPU:
 from __future__ import annotations
 
 import sys
-import types as pytypes
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import SEVEN_B, check_decode_attention, time_decode_attention  # noqa: E402
+from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
+                     time_decode_attention, variant_compile_target)
 from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
 
 HEADER = '''
@@ -122,24 +121,11 @@ EDITS = [
 
 
 def variant_source() -> str:
-    source = (ROOT / "pynanoqwen/kernels/attention_decode.py").read_text()
-    source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
-    source = source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + HEADER, 1)
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"attention_swizzled_ring: the product kernel changed; this anchor occurs "
-                             f"{source.count(old)} times:\n{old}")
-        source = source.replace(old, new)
-    start, end = source.find(FILL_START), source.find(FILL_END)
-    if start < 0 or end < start or source.count(FILL_START) != 1:
-        raise SystemExit("attention_swizzled_ring: the product kernel's fill_stage moved")
-    return source[:start] + FILL_STAGE + source[end:]
+    return edited_kernel_source("attention_swizzled_ring", HEADER, EDITS, [(FILL_START, FILL_END, FILL_STAGE)])
 
 
 def load_variant():
-    module = pytypes.ModuleType("attention_swizzled_ring_kernel")
-    exec(compile(variant_source(), "attention_swizzled_ring_kernel", "exec"), module.__dict__)
-    return module
+    return load_source(variant_source(), "attention_swizzled_ring_kernel")
 
 
 def builders(*variant_settings: dict) -> dict:
@@ -164,23 +150,18 @@ def timings() -> list[dict]:
 
 
 def compile_targets():
-    """The variant at 7B shapes, for tests/test_dev_variants.py's compile check."""
+    """The variant at 7B shapes, for tests/test_dev_variants.py's compile check: its pools are flat
+    uint32 arrays, and it makes no bulk copies."""
     from numba import types
 
-    from pynanoqwen.kernels import CompileTarget
-
     module = load_variant()
-    product = module.compile_targets()[0]
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    kernel = module._build_kernel(heads, kv_heads, head_dim, module.default_num_splits(kv_heads, 132),
-                                  module.STAGES, module.CONSUMERS, module.MIN_PAGES_PER_SPLIT)
     words, flat = types.uint32[::1], types.float32[::1]
     signature = types.void(types.float32[:, ::1], words, words, types.int32[::1], types.int32[::1],
                            types.float16[::1], flat, flat, flat, types.int32[::1])
-    must = tuple(i for i in product.must_contain
-                 if not i.startswith(("cp.async.bulk", "mbarrier.arrive.expect_tx")))  # no bulk copies here
-    return [CompileTarget("decode_attention swizzled ring[28/4x128]", kernel, signature,
-                          must + ("cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc.shared::cta.b64"))]
+    return [variant_compile_target(module, "decode_attention swizzled ring[28/4x128]", signature,
+                                   module.default_num_splits(SEVEN_B.num_kv_heads, 132),
+                                   drop=("cp.async.bulk", "mbarrier.arrive.expect_tx"),
+                                   add=("cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc.shared::cta.b64"))]
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types as pytypes
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import edited_kernel_source, load_source  # noqa: E402
 
 PHASES = ["entry", "barriers set", "pos read", "early copies issued", "wait returned", "q read", "first page here",
           "pages done", "partials met", "partials stored+fenced", "counted in", "split weights read",
@@ -77,13 +77,7 @@ EDITS = [
 
 
 def instrumented_source() -> str:
-    source = (ROOT / "pynanoqwen/kernels/attention_decode.py").read_text()
-    source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
-    for old, new in EDITS:
-        if source.count(old) != 1:
-            raise SystemExit(f"attention_timeline: the kernel changed; this anchor occurs {source.count(old)} times:\n{old}")
-        source = source.replace(old, new)
-    return source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + TIMER, 1)
+    return edited_kernel_source("attention_timeline", TIMER, EDITS)
 
 
 TIMER = '''
@@ -102,9 +96,7 @@ def gtimer(typingctx):
 
 
 def load_instrumented():
-    module = pytypes.ModuleType("attention_timeline_kernel")
-    exec(compile(instrumented_source(), "attention_timeline_kernel", "exec"), module.__dict__)
-    return module
+    return load_source(instrumented_source(), "attention_timeline_kernel")
 
 
 def summarize(stamps: np.ndarray) -> dict:
@@ -116,8 +108,11 @@ def summarize(stamps: np.ndarray) -> dict:
     merged = ts[:, :, 11] > ts[:, :, 0]  # stamps 11-12 of an earlier replay are older than this one's entry
     rows = {}
     for label, mask in (("with pages", has_pages), ("without pages", ~has_pages), ("merging", merged)):
-        rows[label] = {PHASES[k]: float(np.median((ts[:, :, k] - t0[:, None])[mask & (ts[:, :, k] >= ts[:, :, 0])]) / 1e3)
-                       for k in range(1, 14) if np.any(mask & (ts[:, :, k] >= ts[:, :, 0]) & (ts[:, :, k] > 0))}
+        rows[label] = {}
+        for k in range(1, 14):
+            stamped = mask & (ts[:, :, k] >= ts[:, :, 0])  # set in this replay (unset stamps are 0)
+            if np.any(stamped):
+                rows[label][PHASES[k]] = float(np.median((ts[:, :, k] - t0[:, None])[stamped]) / 1e3)
     return {"period_us": float(np.median(np.diff(t0)) / 1e3), "span_us": float(np.median(end - t0) / 1e3),
             "began_before_previous_end_us": float(np.median(end[:-1] - t0[1:]) / 1e3), "phases": rows}
 

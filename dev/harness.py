@@ -16,7 +16,7 @@ from pynanoqwen.bench import random_int4  # noqa: F401 (the dev scripts take it 
 from pynanoqwen.config import PRESETS
 from pynanoqwen.gpu_timing import time_graph, weight_copies
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
-from pynanoqwen.oracles import U32, Check, attention_oracle, bound_report, gemm_oracle, silu_product_oracle
+from pynanoqwen.oracles import U32, Check, bound_report, gemm_oracle, silu_product_oracle
 from pynanoqwen.quant import dequantize_int4
 
 SEVEN_B = PRESETS["7b"]
@@ -24,6 +24,53 @@ LINEARS_7B = {"qkv": (SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.hidden_size)
               "o_proj": (SEVEN_B.hidden_size, SEVEN_B.q_size),
               "gate_up": (SEVEN_B.intermediate_size, SEVEN_B.hidden_size),
               "down_proj": (SEVEN_B.hidden_size, SEVEN_B.intermediate_size)}
+
+
+def edited_kernel_source(who: str, header: str, edits: list[tuple[str, str]], sections=()) -> str:
+    """kernels/attention_decode.py's source, runnable outside its package, with `header` after its
+    __future__ import, each (old, new) of `edits` applied (old must occur exactly once) and each
+    (start, end, new) of `sections` (the text from start up to end) replaced: how the attention
+    variants and the timeline stay the product's kernel but for their edits. A change of the
+    product that moves an anchor stops `who` with the anchor, rather than time something else."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[1] / "pynanoqwen/kernels/attention_decode.py").read_text()
+    source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
+    source = source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + header, 1)
+    for old, new in edits + [(start, None) for start, _, _ in sections]:
+        if source.count(old) != 1:
+            raise SystemExit(f"{who}: the product kernel changed; this anchor occurs {source.count(old)} times:\n{old}")
+        if new is not None:
+            source = source.replace(old, new)
+    for start, end, new in sections:
+        begin = source.index(start)
+        stop = source.find(end, begin)
+        if stop < 0:
+            raise SystemExit(f"{who}: the product kernel changed; nothing after this anchor ends with:\n{end}")
+        source = source[:begin] + new + source[stop:]
+    return source
+
+
+def load_source(source: str, name: str):
+    """Run `source` as a module called `name`."""
+    import types as pytypes
+
+    module = pytypes.ModuleType(name)
+    exec(compile(source, name, "exec"), module.__dict__)
+    return module
+
+
+def variant_compile_target(module, name: str, signature, num_splits: int, drop: tuple[str, ...] = (),
+                           add: tuple[str, ...] = ()):
+    """An attention variant's 7B kernel (`module` from load_source) as a CompileTarget for
+    tests/test_dev_variants.py: the product's must-contain instructions less `drop`, plus `add`."""
+    from pynanoqwen.kernels import CompileTarget
+
+    product = module.compile_targets()[0]
+    kernel = module._build_kernel(SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim, num_splits, module.STAGES,
+                                  module.CONSUMERS, module.MIN_PAGES_PER_SPLIT)
+    must = tuple(i for i in product.must_contain if not i.startswith(drop)) + add
+    return CompileTarget(name, kernel, product.signature if signature is None else signature, must)
 
 
 def attention_inputs(rng, contexts: list[int], layers: int):
@@ -47,31 +94,23 @@ def check_decode_attention(builders: dict, contexts: tuple[int, ...], rng, launc
     table, NaN in every slot outside the context. `launches` > 1 runs each launch again on the same
     inputs, so a counter a launch leaves behind shows."""
     from pynanoqwen.kernels import PAGE_SIZE
+    from pynanoqwen.unit_checks import random_attention_case
 
     heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
     max_pages = -(-max(contexts) // PAGE_SIZE)
     kernels = {name: build(max_pages) for name, build in builders.items()}
     results = []
     for context in contexts:
-        shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
-        page_table = rng.permutation(max_pages).astype(np.int32)
-        k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
-        positions = np.arange(context)
-        pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-        k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
-        v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
-        q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
-        expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
-                                           np.array([context - 1]), fp16_operands=False)
-        device = [cuda.to_device(a) for a in (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32))]
+        inputs, expected, bound = random_attention_case(rng, heads, kv_heads, head_dim, max_pages, context)
+        device = [cuda.to_device(a) for a in inputs]
         for name, attention in kernels.items():
             out = cuda.to_device(np.full(heads * head_dim, np.nan, np.float16))
             stream = cuda.stream()
             for _ in range(launches):
                 attention.launch(stream, *device, out)
             stream.synchronize()
-            error = np.abs(out.copy_to_host().astype(np.float64) - expected[0])
-            results.append(bound_report(f"{name} context {context}", error, bound[0]))
+            error = np.abs(out.copy_to_host().astype(np.float64) - expected)
+            results.append(bound_report(f"{name} context {context}", error, bound))
     return results
 
 

@@ -93,28 +93,34 @@ def check_rope_kv_write(weights, rng) -> Iterator[Check]:
     yield dataclasses.replace(check, detail=f"position {position}: " + check.detail)
 
 
+def random_attention_case(rng, heads: int, kv_heads: int, head_dim: int, max_pages: int, context: int):
+    """Decode attention's inputs for one token at position context - 1 and their float64 answer:
+    ((q, k_pages, v_pages, page_table, pos), expected, bound), host arrays. Fresh random q and K/V,
+    a shuffled page table, NaN in every slot outside the context (reading one poisons the output)."""
+    shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
+    page_table = rng.permutation(max_pages).astype(np.int32)
+    k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
+    positions = np.arange(context)
+    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+    v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, head_dim))
+    q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
+    expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
+                                       np.array([context - 1]), fp16_operands=False)
+    return (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32)), expected[0], bound[0]
+
+
 def check_attention(weights, rng) -> Iterator[Check]:
     cfg = weights.config
     heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     max_context = min(cfg.max_position_embeddings, CHECKED_CONTEXT)
     max_pages = -(-max_context // PAGE_SIZE)
     context = int(rng.integers(1, max_context + 1))
-    shape = (max_pages, kv_heads, PAGE_SIZE, hd)
-    page_table = rng.permutation(max_pages).astype(np.int32)
-    # Slots outside the context hold NaN: reading one would poison the output.
-    k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
-    positions = np.arange(context)
-    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    k_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, hd))
-    v_pages[pages, :, slots] = rng.standard_normal((context, kv_heads, hd))
-    q = (3.0 * rng.standard_normal((heads, hd))).astype(np.float32)
+    inputs, expected, bound = random_attention_case(rng, heads, kv_heads, hd, max_pages, context)
     out = cuda.to_device(np.full(heads * hd, np.nan, np.float16))
     kernel = attention_decode.make_decode_attention(heads, kv_heads, hd, max_pages)
-    _stream_run(lambda s: kernel.launch(s, *(cuda.to_device(a) for a in (
-        q, k_pages, v_pages, page_table, np.array([context - 1], np.int32))), out))
-    expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
-                                       np.array([context - 1]), fp16_operands=False)
-    check = bound_report("decode attention", np.abs(out.copy_to_host().astype(np.float64) - expected[0]), bound[0])
+    _stream_run(lambda s: kernel.launch(s, *(cuda.to_device(a) for a in inputs), out))
+    check = bound_report("decode attention", np.abs(out.copy_to_host().astype(np.float64) - expected), bound)
     yield dataclasses.replace(check, detail=f"context {context}: " + check.detail)
 
 
