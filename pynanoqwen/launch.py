@@ -90,11 +90,9 @@ def launch(dispatcher, grid, block, stream, args, shared_bytes: int = 0, depende
     write_backs: list = []
     for argument_type, value in zip(kernel.argument_types, args):
         kernel._prepare_args(argument_type, value, core_stream, write_backs, parameters)
-    programmatic = dependent and _programmatic[0]
     if cluster is None:
-        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes,
-                              programmatic_stream_serialization=programmatic)
+        config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes, programmatic_stream_serialization=True)
     else:  # cuda.core counts the grid in clusters when a cluster shape is given
         config = LaunchConfig(grid=(grid[0] // cluster[0], grid[1] // cluster[1]), cluster=cluster, block=block,
-                              shmem_size=shared_bytes, programmatic_stream_serialization=programmatic)
+                              shmem_size=shared_bytes, programmatic_stream_serialization=dependent and _programmatic[0])
     core_launch(core_stream, config, kernel._codelibrary.get_cufunc().kernel, *parameters)
