@@ -276,3 +276,19 @@ def test_qkv_rope_kv_write(path, k, plan):
     untouched = np.ones(k_init.shape[:3], bool)
     untouched[page, :, slot] = False
     assert np.array_equal(k_got[untouched], k_init[untouched]) and np.array_equal(v_got[untouched], v_init[untouched])
+
+
+def test_fused_mlp_variant_matches_float64():
+    """dev/mlp_fused.py (gate/up, SiLU, down_proj and the residual in one kernel, blocks owning
+    slices of the intermediate rows) at hidden 128, intermediate 256 on 3 blocks of 2 warps, so
+    blocks own 5, 5 and 6 units and two of them straddle a scale group: both down_proj layouts on
+    the exact inputs (mlp known to a few u16, so a wrong column, unit or scale shows), the tiled one
+    on Gaussian inputs too. The simulator runs blocks one at a time, so the variants run as two
+    launches (their grid barrier needs every block resident: the GPU check runs it)."""
+    from mlp_fused import check
+
+    variants = {"tiled": dict(layout="tiled", barrier=False), "rows": dict(layout="rows", barrier=False)}
+    rng = np.random.default_rng()
+    results = check(rng, 128, 256, 3, 2, variants, cases=("exact",), launches=1)
+    results += check(rng, 128, 256, 3, 2, {"tiled": variants["tiled"]}, cases=("gaussian",), launches=1)
+    assert len(results) == 3 and all(r.status == "PASS" for r in results), [r.line() for r in results]
