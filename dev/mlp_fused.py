@@ -112,8 +112,10 @@ def tile_down(qweight: np.ndarray, scales: np.ndarray, grid: int) -> tuple[np.nd
 
 
 @functools.cache
-def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, barrier: bool, eps: float):
-    """(mlp kernel, reduce kernel or None) for one shape, grid (blocks) and variant. The kernel is
+def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, barrier: bool, eps: float,
+          blocks_per_sm: int = 1):
+    """(mlp kernel, reduce kernel or None) for one shape, grid (blocks, at most blocks_per_sm a SM,
+    the launch bound) and variant. The kernel is
     mlp(gate_q, gate_s, up_q, up_s, down_q, down_s, h, norm_pairs, partials, sync) with flat arrays
     (down_q/down_s in `layout`), h float32 [H] (read, then += the MLP), partials float32
     [grid H], sync uint32 [2] (arrivals, generation; zero at first, as the barrier leaves them)."""
@@ -261,7 +263,7 @@ def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, ba
             cuda.threadfence()
         cuda.syncthreads()
 
-    bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
+    bounds = {} if SIMULATOR else {"launch_bounds": (threads, blocks_per_sm)}
 
     @cuda.jit(**bounds)
     def mlp(gate_q, gate_s, up_q, up_s, down_q, down_s, h, norm_pairs, partials, sync):
@@ -356,10 +358,11 @@ def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, ba
 class FusedMlp:
     """One layer's decode MLP: h += Wd (silu(Wg xn) * (Wu xn)), xn = RMSNorm(h) * norm_weight."""
 
-    def __init__(self, gate, up, down, norm_weight, eps, grid, warps=16, layout="tiled", barrier=True):
+    def __init__(self, gate, up, down, norm_weight, eps, grid, warps=16, layout="tiled", barrier=True, blocks_per_sm=1):
         self.hidden, self.intermediate = down[0].shape[0], gate[0].shape[0]
         self.grid, self.warps = grid, warps
-        self.kernel, self.reduce = build(self.hidden, self.intermediate, grid, warps, layout, barrier, float(eps))
+        self.kernel, self.reduce = build(self.hidden, self.intermediate, grid, warps, layout, barrier, float(eps),
+                                         blocks_per_sm)
         down_q, down_s = tile_down(*down, grid) if layout == "tiled" else (down[0].reshape(-1), down[1].reshape(-1))
         flat = [gate[0], gate[1], up[0], up[1], down_q, down_s]
         self.weights = [cuda.to_device(np.ascontiguousarray(a).reshape(-1)) for a in flat]
@@ -426,8 +429,11 @@ def random_case(rng, hidden, intermediate, exact=False):
     return gate, up, down, norm_weight, h
 
 
-VARIANTS = {"tiled, barrier": dict(layout="tiled", barrier=True), "tiled, 2 launches": dict(layout="tiled", barrier=False),
-            "rows, barrier": dict(layout="rows", barrier=True)}
+VARIANTS = {"tiled, barrier": dict(layout="tiled", barrier=True),
+            "tiled, 2 launches": dict(layout="tiled", barrier=False),
+            "rows, barrier": dict(layout="rows", barrier=True),
+            "tiled, barrier, 2 blocks of 8 warps a SM": dict(layout="tiled", barrier=True, warps=8, blocks_per_sm=2),
+            "tiled, 2 launches, 2 blocks of 8 warps a SM": dict(layout="tiled", barrier=False, warps=8, blocks_per_sm=2)}
 
 
 def check(rng, hidden=None, intermediate=None, grid=None, warps=16, variants=VARIANTS, cases=("exact", "gaussian"),
@@ -441,21 +447,22 @@ def check(rng, hidden=None, intermediate=None, grid=None, warps=16, variants=VAR
 
     hidden = hidden or SEVEN_B.hidden_size
     intermediate = intermediate or SEVEN_B.intermediate_size
-    grid = grid or sm_count()
     eps = SEVEN_B.rms_norm_eps
     results = []
     for case in cases:
         gate, up, down, norm_weight, h = random_case(rng, hidden, intermediate, exact=case == "exact")
-        expected, bound = oracle(gate, up, down, norm_weight, eps, h, grid, exact=case == "exact")
         for name, variant in variants.items():
-            fused = FusedMlp(gate, up, down, norm_weight, eps, grid, warps, **variant)
+            variant = {"warps": warps} | variant
+            blocks = grid or variant.get("blocks_per_sm", 1) * sm_count()
+            expected, bound = oracle(gate, up, down, norm_weight, eps, h, blocks, exact=case == "exact")
+            fused = FusedMlp(gate, up, down, norm_weight, eps, blocks, **variant)
             outs = []
             for _ in range(launches):
                 h_device = cuda.to_device(h)
                 fused.launch(0, h_device)
                 outs.append(h_device.copy_to_host())
             error = np.abs(outs[0].astype(np.float64) - expected)
-            results.append(bound_report(f"{name}, {case}, grid {grid}", error, bound))
+            results.append(bound_report(f"{name}, {case}, grid {blocks}", error, bound))
             if launches > 1:
                 results.append(passed(f"{name}, {case}: {launches} runs", all(np.array_equal(o, outs[0]) for o in outs),
                                       "bit-identical"))
@@ -492,7 +499,8 @@ def timings(layers: int = 28, replays: int = 20) -> list[dict]:
 
     forms = {"product gate_up + down": product}
     for name, variant in VARIANTS.items():
-        fused = [FusedMlp(g, u, d, w, eps, sm_count(), **variant) for g, u, d, w, _ in cases]
+        blocks = variant.get("blocks_per_sm", 1) * sm_count()
+        fused = [FusedMlp(g, u, d, w, eps, blocks, **variant) for g, u, d, w, _ in cases]
         forms[name] = lambda fused=fused: [fused[layer % copies].launch(stream, h) for layer in range(layers)]
     rows = []
     for name, enqueue in forms.items():
@@ -512,8 +520,9 @@ def compile_targets():
                            flat_u32)
     targets = []
     for name, variant in VARIANTS.items():
-        kernel, _ = build(SEVEN_B.hidden_size, SEVEN_B.intermediate_size, 132, 16, variant["layout"], variant["barrier"],
-                          SEVEN_B.rms_norm_eps)
+        blocks_per_sm = variant.get("blocks_per_sm", 1)
+        kernel, _ = build(SEVEN_B.hidden_size, SEVEN_B.intermediate_size, 132 * blocks_per_sm, variant.get("warps", 16),
+                          variant["layout"], variant["barrier"], SEVEN_B.rms_norm_eps, blocks_per_sm)
         must = ("ld.global.nc.v2.u32", "ld.global.nc.v4.u32", "prmt.b32", "griddepcontrol.wait")
         must += ("atom.global.inc.u32",) if variant["barrier"] else ()
         targets.append(CompileTarget(f"mlp_fused[{name}]", kernel, signature, must))

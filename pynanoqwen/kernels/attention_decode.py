@@ -35,7 +35,7 @@ Inside a block (warp specialisation):
   engine's per-request cost (docs/PERFORMANCE.md). The price is an 8-way bank conflict in each
   ldmatrix (the 8 rows of a matrix are 256 bytes apart): ~512 shared-memory cycles a page.
 - consumer warp w takes pages w, w + CONSUMERS, ... (STAGES is a multiple of CONSUMERS, so each
-  stage serves one consumer, two pages ahead at the defaults): waits for the page's `full` phase,
+  stage serves one consumer, four pages ahead at the defaults): waits for the page's `full` phase,
   zeroes the V rows past the context (the cache holds anything there, NaN included, and P V would
   form 0 * NaN), computes S, masks keys past the context, updates its own online softmax (running max and sum of each head,
   float32), adds P V into its float32 accumulators, and its 32 lanes arrive on the stage's `empty`
@@ -51,8 +51,9 @@ the page table and the copies of the split's first ring of pages go out before g
 (all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the page holding pos,
 whose row the QKV GEMV writes, wait.
 
-Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (64 KiB at 8 stages, head_dim 128), the consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the
-merge's weights (2 x group x num_splits floats): ~80 KiB.
+Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (128 KiB at 16 stages, head_dim 128), the
+consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the merge's
+weights (2 x group x num_splits floats): ~144 KiB.
 
 Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
 DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
@@ -89,7 +90,9 @@ from ..ptx.warp import shfl_xor, syncwarp, warp_max, warp_sum
 from . import PAGE_SIZE, CompileTarget
 
 CONSUMERS = 4  # consumer warps per block
-STAGES = 8  # pages in the ring: two per consumer, so each one's next page is on its way
+# Pages in the ring: four per consumer. Against two: 36.0 against 38.0 us a launch at 32000 tokens,
+# the same to 0.1 us from 16 to 4096 (docs/PERFORMANCE.md).
+STAGES = 16
 MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
 MERGE_UNROLL = 8  # split partials whose loads the merge keeps in flight together
 MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen2.5: 5..8)
