@@ -23,6 +23,10 @@ Here block b of a persistent grid (one block a SM) owns the intermediate rows [1
 Every addition's order is fixed by the grid, so graph and eager runs give the same bits; no atomic
 adds of floats (docs/PERFORMANCE.md's split-K war story).
 
+Why it is not the default: measured 42.2 us a layer with the barrier, 41.2 as two launches, against
+39.7 for the product's pair (docs/PERFORMANCE.md, with the profile: one block of 16 warps a SM
+issues an instruction every 1.9 cycles, latency-bound).
+
 down_proj's slice of a row is 72 bytes (144 int4). `layout="tiled"`: its columns re-laid at load so
 that block b's slice is contiguous and a warp's 8-byte loads read 256 contiguous bytes: word
 (n, unit u, e) of block b at 2 H u_b + ((n // 32) U_b + u) 64 + (n % 32) 2 + e, and the block's at
