@@ -184,8 +184,16 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
                              gemm_tiles=not no_gemm_tiles, contexts=_token_counts("--contexts", contexts)).validate()
     if json_path is not None and not json_path.strip():  # it would have written nothing, silently
         raise NanoQwenError("--json is empty; give the path of the JSON file to write")
-    if json_path and not Path(json_path).resolve().parent.is_dir():  # found out now, not after the run
-        raise NanoQwenError(f"--json {json_path}: its directory does not exist")
+    if json_path:  # what would keep the results from being written is found out now, not after the run
+        target = Path(json_path)
+        try:
+            if not target.resolve().parent.is_dir():
+                raise NanoQwenError(f"--json {json_path}: its directory does not exist")
+            if target.exists() and not target.is_file():  # the rename would put a file where /dev/null or a FIFO was
+                raise NanoQwenError(f"--json {json_path} is not a regular file; give the path of the JSON file "
+                                    "to write")
+        except OSError as err:  # a name too long for the file system raises, where a missing one is just False
+            raise NanoQwenError(f"--json {json_path}: {err.strerror or err}") from None
     with library_warnings(verbose):
         result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
     click.echo(render_markdown(result))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 from .errors import ConfigError, NanoQwenError
@@ -188,7 +189,8 @@ def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
         raise error(f"{path} is a directory, not a JSON file") from None
     except OSError as err:
         raise error(f"cannot read {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as bad:  # RecursionError: nested too deep
+    # ValueError: not UTF-8, not JSON, or an integer of over 4300 digits; RecursionError: nested too deep
+    except (ValueError, RecursionError) as bad:
         raise error(f"{path} is not valid JSON: {bad}") from None
     if not isinstance(value, dict):
         raise error(f"{path} is not a JSON object")
@@ -222,7 +224,8 @@ def _hf_int(cfg: dict, key: str, default=_REQUIRED) -> int:
 
 def _hf_number(cfg: dict, key: str, default: float) -> float:
     value = _hf_value(cfg, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    # An integer beyond any double (1 followed by 400 zeros) is below math.inf but has no float.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= sys.float_info.max:
         raise ConfigError(f"config.json has a malformed {key}: expected a positive finite number, got {value!r}")
     return float(value)
 

@@ -110,9 +110,12 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, *, lm_head_int4
 def _convert(hf_dir: Path, out_path: Path, lm_head_int4: bool, progress: bool, overwrite: bool) -> ConvertReport:
     start_time = time.perf_counter()
     start_rss = _current_rss_bytes()
-    if not hf_dir.is_dir():
-        raise CheckpointError(f"{hf_dir} is not a directory")
-    check_output_path(hf_dir, out_path, overwrite)
+    try:  # a name too long for the file system raises OSError, where a missing one is just False
+        if not hf_dir.is_dir():
+            raise CheckpointError(f"{hf_dir} is not a directory")
+        check_output_path(hf_dir, out_path, overwrite)
+    except OSError as err:
+        raise CheckpointError(f"{err.filename}: {err.strerror or err}") from None
     note_leftover_temp_files(out_path)
     hf_config = read_json_object(hf_dir / "config.json", ConfigError)
     cfg = ModelConfig.from_hf_dict(hf_config)
@@ -297,7 +300,7 @@ def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:
     sources: dict[str, SourceTensor] = {}
     for shard in sorted(set(weight_map.values())):
         shard_path = hf_dir / shard
-        if not shard_path.exists():
+        if not os.path.exists(shard_path):  # Path.exists raises on a name too long for the file system
             raise CheckpointError(f"{shard_path} is listed in {index_path.name} but does not exist")
         for name, src in read_safetensors_header(shard_path).items():
             if weight_map.get(name) != shard:
@@ -324,7 +327,7 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
             header = json.loads(f.read(header_len).decode("utf-8"))
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: not JSON, not UTF-8, or an integer of over 4300 digits
         raise CheckpointError(f"{path} has a corrupt safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")

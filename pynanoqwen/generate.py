@@ -175,6 +175,8 @@ def resolve_prompt(options: GenerateOptions) -> str:
     if options.prompt_file is None:
         return options.prompt
     name = options.prompt_file
+    if not name.strip():  # Path("") is ".", which was reported as "--prompt-file : is a directory"
+        raise NanoQwenError("--prompt-file is an empty path; give a file, or '-' for standard input")
     label = "--prompt-file - (standard input)" if name == "-" else f"--prompt-file {name}"
     try:
         data = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()

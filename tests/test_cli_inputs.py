@@ -3,6 +3,7 @@ one `error: ...` line on stderr, nothing on stdout, exit code 1 (2 for what clic
 a value that is not a number, a missing argument, an unknown option). Arguments are checked before
 the hardware: a wrong setting is reported as such on a machine without a GPU too."""
 
+import os
 import subprocess
 import sys
 
@@ -13,8 +14,10 @@ from pynanoqwen.device import cuda_gpu_available
 
 
 def run_module(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pynanoqwen", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    """Bytes arguments reach Python undecoded, as from a terminal that is not UTF-8."""
+    return subprocess.run([sys.executable, "-m", "pynanoqwen", *(a if isinstance(a, bytes) else str(a) for a in args)],
+                          capture_output=True, text=True, errors="backslashreplace", timeout=300,
+                          env={**os.environ, "PYNANOQWEN_API_KEY": ""})
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, code: int = 1) -> None:
@@ -44,13 +47,23 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
      "16 to spare), more than the model's 2048"),
     (["serve", "--host", ""], "--host is empty; give an address (0.0.0.0 opens the server to the network)"),
     (["bench", "--synthetic", "7b", "--json", ""], "--json is empty; give the path of the JSON file to write"),
+    (["bench", "--synthetic", "7b", "--json", "/dev/null"],
+     "--json /dev/null is not a regular file; give the path of the JSON file to write"),
+    (["bench", "--synthetic", "7b", "--json", "/tmp/" + "j" * 300 + "/run.json"],
+     f"--json /tmp/{'j' * 300}/run.json: File name too long"),
+    (["serve", "--host", b"caf\xe9"], r"--host is not valid UTF-8 text (byte 0xe9 at character 3)"),
+    (["serve", "--api-key", b"\xffkey"], r"--api-key is not valid UTF-8 text (byte 0xff at character 0)"),
 ], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
         "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
-        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty"])
+        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty",
+        "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8", "serve-api-key-not-utf8"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
     `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
-    `serve --host ''` listened on every interface and `bench --json ''` wrote no file, silently."""
+    `serve --host ''` listened on every interface and `bench --json ''` wrote no file, silently.
+    `bench --json /dev/null` would have renamed its results over the device after the run (as root),
+    and a --json directory name over 255 bytes was a traceback; `serve --host caf\\xe9` was a TypeError
+    traceback, and a --api-key that is not UTF-8 made every request a 500."""
     assert_one_error_line(run_module(*args), expected)
 
 

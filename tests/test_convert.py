@@ -213,6 +213,21 @@ def _edit_header_entry(name, **changes):
     return mutate
 
 
+def _long_integer(mutate, digits: int):
+    """`mutate` with every "LONG" string it writes made an integer literal of `digits` digits."""
+    def long_mutate(hf_dir):
+        mutate(hf_dir)
+        for path in hf_dir.iterdir():
+            data = path.read_bytes()
+            if b'"LONG"' in data:
+                text = data.replace(b'"LONG"', b"1" * digits)
+                if path.suffix == ".safetensors":  # the header grew: its length comes first
+                    length = int.from_bytes(data[:8], "little") + len(text) - len(data)
+                    text = length.to_bytes(8, "little") + text[8:]
+                path.write_bytes(text)
+    return long_mutate
+
+
 def _nested_header(hf_dir):
     text = b"[" * 100_000
     (hf_dir / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text)
@@ -299,6 +314,16 @@ ERROR_CASES = {
     "header-nested-too-deep": (_nested_header, CheckpointError, "model.safetensors has a corrupt safetensors header"),
     "config-nested-too-deep": (lambda d: (d / "config.json").write_text("[" * 100_000), ConfigError,
                                "config.json is not valid JSON"),
+    # These were a ValueError or OverflowError traceback: Python reads no integer of more than 4300
+    # digits, and no double holds one of 400.
+    "config-integer-too-long": (_long_integer(_edit_config(max_window_layers="LONG"), 5000), ConfigError,
+                                "config.json is not valid JSON: Exceeds the limit (4300 digits)"),
+    "generation-config-integer-too-long": (_long_integer(_edit_json("generation_config.json", top_k="LONG"), 5000),
+                                           CheckpointError, "generation_config.json is not valid JSON: Exceeds"),
+    "header-integer-too-long": (_long_integer(_edit_header_entry(NORM, extra="LONG"), 5000), CheckpointError,
+                                "model.safetensors has a corrupt safetensors header (not valid JSON)"),
+    "theta-beyond-a-double": (_long_integer(_edit_config(rope_theta="LONG"), 400), ConfigError,
+                              "config.json has a malformed rope_theta: expected a positive finite number, got 111"),
 }
 
 
@@ -368,8 +393,10 @@ def _unmap_tensor(hf_dir):
     (lambda d: _edit_json("model.safetensors.index.json", weight_map=[1])(d),
      "model.safetensors.index.json is not a valid index (a JSON object with a weight_map object)"),
     (_replace_with_directory("model.safetensors.index.json"), "model.safetensors.index.json is a directory"),
+    (lambda d: _edit_json("model.safetensors.index.json", weight_map={"model.norm.weight": "s" * 300})(d),
+     f"{'s' * 300} is listed in model.safetensors.index.json but does not exist"),  # was OSError: File name too long
 ], ids=["missing-shard", "index-disagrees", "index-shard-a-list", "index-shard-a-number", "index-shard-dotdot",
-        "index-shard-empty", "index-map-a-list", "index-a-directory"])
+        "index-shard-empty", "index-map-a-list", "index-a-directory", "index-shard-name-too-long"])
 def test_sharded_errors(tmp_path, sharded_checkpoint, mutate, message):
     hf_dir = tmp_path / "hf"
     shutil.copytree(sharded_checkpoint, hf_dir)
@@ -480,6 +507,20 @@ def test_an_out_that_cannot_be_a_file_is_refused_before_reading_weights(tmp_path
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message.format(parent=out.parent) in lines[0]
     assert "convert:" not in result.stderr  # no progress bar: refused before the first tensor
+
+
+@pytest.mark.parametrize("make_args", [
+    lambda d, hf: (d / ("h" * 300), d / "m.nanoqwen"),
+    lambda d, hf: (hf, d / ("m" * 300 + ".nanoqwen")),
+    lambda d, hf: (hf, d / ("o" * 300) / "m.nanoqwen"),
+], ids=["hf-dir", "out", "out-directory"])
+def test_a_name_too_long_for_the_file_system_is_one_error_line(tmp_path, bf16_checkpoint, make_args):
+    """A name over 255 bytes made os.stat raise, where a missing file is just False: a traceback."""
+    hf_dir, out = make_args(tmp_path, bf16_checkpoint)
+    result = run_convert(hf_dir, out)
+    assert result.returncode == 1 and result.stdout == ""
+    assert re.fullmatch(r"error: .*: File name too long\n", result.stderr), result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_weights_in_a_fifo_are_refused_not_waited_for(tmp_path, bf16_checkpoint):

@@ -343,7 +343,8 @@ def test_a_prompt_longer_than_the_command_line_allows(tiny_file, tmp_path):
     (lambda d: (["-"], b""), r"--prompt-file - \(standard input\) is empty"),
     (lambda d: ([str(d / "p.txt"), "also-an-argument"], b"x"),
      "give the prompt as PROMPT or with --prompt-file, not both"),
-], ids=["missing", "directory", "not-utf8", "empty", "blank", "stdin-not-utf8", "stdin-empty", "both"])
+    (lambda d: ([""], None), r"^error: --prompt-file is an empty path; give a file, or '-' for standard input$"),
+], ids=["missing", "directory", "not-utf8", "empty", "blank", "stdin-not-utf8", "stdin-empty", "both", "empty-path"])
 def test_prompt_file_refusals(tiny_file, tmp_path, setup, message):
     args, content = setup(tmp_path)
     if content is not None and args[0] != "-":

@@ -241,6 +241,12 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
      "invalid_value"),
     ("/v1/completions", {"model": "M", "prompt": "x", "logit_bias": {"7": -10**400}}, 400, "logit_bias.7",
      "invalid_value"),
+    # These were 500s: an error naming a key that is half a character, which UTF-8 cannot encode.
+    ("/v1/completions", {"model": "M", "prompt": "x", "\ud800": 1}, 400, "\ud800", "unknown_field"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x", "\udc80": 1}]}, 400,
+     "messages[0].\udc80", "unknown_field"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "logit_bias": {"\udfff": "x"}}, 400, "logit_bias.\udfff",
+     "invalid_type"),
 ])
 def test_bad_requests_get_openai_errors(server, http, path, body, status, param, code):
     _, model = server

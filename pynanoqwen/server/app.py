@@ -49,8 +49,11 @@ PUBLIC_PATHS = ("/health", "/openapi.json")
 RETRY_AFTER_S = 1
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: ApiError) -> Response:
+    # ASCII JSON (json.dumps' default): a message may name a key of the request, and a JSON key may be
+    # half a character ("\ud800"), which JSONResponse's UTF-8 cannot encode; an escape can hold it.
+    return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
+                    media_type="application/json")
 
 
 async def read_json(request: Request):

@@ -21,7 +21,7 @@ from ..cpu_pages import PagedCpuBackend
 from ..errors import FormatError, NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..backends import CpuBackend, load_backend
-from ..generate import DEFAULT_MAX_CONTEXT, resolve_device, resolve_model
+from ..generate import DEFAULT_MAX_CONTEXT, check_utf8, resolve_device, resolve_model
 from ..prefix_cache import PrefixCache
 from ..prompt_lookup import LookupParams, check_device
 from ..sampling import SamplingParams
@@ -51,6 +51,10 @@ class ServeOptions:
     lookup: LookupParams = LookupParams()  # prompt-lookup speculative decoding for every request
 
     def validate(self) -> "ServeOptions":
+        # A byte that is not UTF-8 arrives as a lone surrogate: the socket cannot encode such a
+        # host (a TypeError), nor the key check such a key (a 500 for every request).
+        check_utf8("--host", self.host)
+        check_utf8("--api-key", self.api_key)
         if not self.host.strip():  # the socket would listen on every interface, as for 0.0.0.0
             raise NanoQwenError("--host is empty; give an address (0.0.0.0 opens the server to the network)")
         if not 0 <= self.port <= 65535:
