@@ -87,7 +87,9 @@ def unit_bounds(units: int, grid: int) -> list[int]:
     return [b * units // grid for b in range(grid + 1)]
 
 
-def check_shape(hidden: int, intermediate: int, grid: int, warps: int) -> None:
+def check_shape(hidden: int, intermediate: int, grid: int) -> None:
+    """Refuse a shape or grid the kernel cannot split: GROUP_SIZE multiples, and every block a
+    non-empty slice within at most two scale groups (the two scales a row of down_proj carries)."""
     if intermediate % GROUP_SIZE or hidden % GROUP_SIZE or hidden % 32:
         raise ValueError(f"hidden {hidden} and intermediate {intermediate} must be multiples of {GROUP_SIZE}")
     bounds = unit_bounds(intermediate // UNIT, grid)
@@ -125,7 +127,7 @@ def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, ba
     [grid H], sync uint32 [2] (arrivals, generation; zero at first, as the barrier leaves them)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
-    check_shape(hidden, intermediate, grid, warps)
+    check_shape(hidden, intermediate, grid)
     threads = 32 * warps
     shared_words, stage, load_x, multiply = gemv_path("prmt", hidden, 1, threads, eps)
     units = intermediate // UNIT
