@@ -87,6 +87,11 @@ def unit_bounds(units: int, grid: int) -> list[int]:
     return [b * units // grid for b in range(grid + 1)]
 
 
+def most_units(intermediate: int, grid: int) -> int:
+    """The most units a block owns (the kernel's loop bound and the oracle's rounding count)."""
+    return -(-(intermediate // UNIT) // grid)
+
+
 def check_shape(hidden: int, intermediate: int, grid: int) -> None:
     """Refuse a shape or grid the kernel cannot split: GROUP_SIZE multiples, and every block a
     non-empty slice within at most two scale groups (the two scales a row of down_proj carries)."""
@@ -131,7 +136,7 @@ def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, ba
     threads = 32 * warps
     shared_words, stage, load_x, multiply = gemv_path("prmt", hidden, 1, threads, eps)
     units = intermediate // UNIT
-    units_max = -(-units // grid)
+    units_max = most_units(intermediate, grid)
     chunks = U(hidden // 32)
     steps = U(-(-(hidden // 32) // 32))  # a lane's 512-byte steps along one gate/up row
     words_per_row, groups = U(hidden // 8), U(hidden // GROUP_SIZE)
@@ -413,7 +418,7 @@ def oracle(gate, up, down, norm_weight, eps, h, grid, exact=False):
     mlp, mlp_bound = silu_product_oracle(*projections)
     wd = dequantize_int4(*down, np.float64)
     magnitude = np.abs(wd) @ (np.abs(mlp) + mlp_bound)
-    units_max = -(-(gate[0].shape[0] // UNIT) // grid)
+    units_max = most_units(gate[0].shape[0], grid)
     expected = h.astype(np.float64) + wd @ mlp
     bound = np.abs(wd) @ mlp_bound + 8 * U16 * magnitude + (3 * units_max + grid + 2) * U32 * (np.abs(h) + magnitude)
     return expected, bound
