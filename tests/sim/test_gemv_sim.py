@@ -292,3 +292,18 @@ def test_fused_mlp_variant_matches_float64():
     results = check(rng, 128, 256, 3, 2, variants, cases=("exact",), launches=1)
     results += check(rng, 128, 256, 3, 2, {"tiled": variants["tiled"]}, cases=("gaussian",), launches=1)
     assert len(results) == 3 and all(r.status == "PASS" for r in results), [r.line() for r in results]
+
+
+def test_bulk_ring_gemv_variant_matches_float64():
+    """dev/gemv_bulk_ring.py (the residual GEMV fed by cp.async.bulk into a shared-memory ring) at
+    N 10, K 512 on 3 blocks (3, 3 and 4 rows), rings of 2 stages so every block refills a stage
+    after its consumers release it: one row a stage on 2 warps; two rows a stage on 4 warps, a
+    group a row; and four rows a stage on 2 warps of one group, each lane reusing its x chunk over
+    the four rows (in the blocks of 3 rows the stage's fourth row is past the block's end); with 1,
+    2 and 4 FP16 accumulator chains a chunk."""
+    from gemv_bulk_ring import Setting, check
+
+    settings = [Setting(1, 2, 2, 1), Setting(2, 2, 4, 2, 2), Setting(4, 2, 2, 1, 4)]
+    results = check(np.random.default_rng(), shapes={"tiny": (10, 512)}, grid=3, settings={"tiny": settings},
+                    launches=2)
+    assert len(results) == 6 and all(r.status == "PASS" for r in results), [r.line() for r in results]
