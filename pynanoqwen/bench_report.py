@@ -26,6 +26,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from .errors import NanoQwenError
+
 SCHEMA = 1
 
 
@@ -151,11 +153,44 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+TEMP_NAME_EXTRA = 12  # bytes mkstemp adds to the name: 8 random characters and ".tmp"
+
+
+def _temp_file(path: Path) -> tuple[int, str]:
+    """The temporary file beside `path` that write_json writes and then renames over it."""
+    return tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+
+
+def check_json_target(json_path: str) -> None:
+    """Refuse, before a run, a --json path that write_json could not write after it: a missing
+    directory, something that is not a regular file (the rename would replace /dev/null or a
+    FIFO), or a directory where the temporary file cannot be made (not writable, or a name that
+    is within the file system's limit itself but not with TEMP_NAME_EXTRA more bytes)."""
+    target = Path(json_path)
+    try:
+        if not target.resolve().parent.is_dir():
+            raise NanoQwenError(f"--json {json_path}: its directory does not exist")
+        if target.exists() and not target.is_file():
+            raise NanoQwenError(f"--json {json_path} is not a regular file; give the path of the JSON file to write")
+    except OSError as err:  # a name too long for the file system raises, where a missing one is just False
+        raise NanoQwenError(f"--json {json_path}: {err.strerror or err}") from None
+    try:
+        fd, tmp = _temp_file(target)
+    except OSError as err:
+        raise NanoQwenError(f"--json {json_path}: {err.strerror or err} (the results go to a temporary file "
+                            f"beside it first, whose name is {TEMP_NAME_EXTRA} bytes longer)") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def write_json(result: dict, path: str | Path) -> None:
     """Write atomically (temp file + rename), so an interrupted run never leaves half a JSON file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _temp_file(path)
+    except OSError as err:  # after a run: one line, the table already printed
+        raise NanoQwenError(f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"schema": SCHEMA, **result}, f, indent=2, sort_keys=True)

@@ -5,7 +5,6 @@ a bad option value or a missing argument one line and exit code 2."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
@@ -175,7 +174,7 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
           no_gemv_paths, no_prefill_sweep, contexts, no_gemm_tiles, json_path, verbose):
     """Measure TTFT, ITL, bandwidth and a kernel breakdown on the GPU; print a markdown table."""
     from .bench import BenchSettings, run_bench
-    from .bench_report import render_markdown, write_json
+    from .bench_report import check_json_target, render_markdown, write_json
 
     settings = BenchSettings(model=model, synthetic=synthetic, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
                              repeats=repeats, eager_tokens=eager_tokens, gemv=gemv, baseline=baseline,
@@ -185,15 +184,7 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
     if json_path is not None and not json_path.strip():  # it would have written nothing, silently
         raise NanoQwenError("--json is empty; give the path of the JSON file to write")
     if json_path:  # what would keep the results from being written is found out now, not after the run
-        target = Path(json_path)
-        try:
-            if not target.resolve().parent.is_dir():
-                raise NanoQwenError(f"--json {json_path}: its directory does not exist")
-            if target.exists() and not target.is_file():  # the rename would put a file where /dev/null or a FIFO was
-                raise NanoQwenError(f"--json {json_path} is not a regular file; give the path of the JSON file "
-                                    "to write")
-        except OSError as err:  # a name too long for the file system raises, where a missing one is just False
-            raise NanoQwenError(f"--json {json_path}: {err.strerror or err}") from None
+        check_json_target(json_path)
     with library_warnings(verbose):
         result = run_bench(settings, progress=lambda line: click.echo(f"[bench] {line}", err=True))
     click.echo(render_markdown(result))

@@ -87,6 +87,23 @@ def test_json_is_atomic_and_complete(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]
 
 
+def test_json_that_cannot_be_written_is_one_error_after_the_run_and_caught_before_it(tmp_path):
+    """After a run a file that cannot be made is one NanoQwenError (it was an OSError traceback);
+    before it, check_json_target tries the temporary file write_json will make, so a name that
+    fits the file system alone but not with the temporary suffix is refused first, and the probe
+    leaves nothing behind."""
+    from pynanoqwen.errors import NanoQwenError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NanoQwenError, match="cannot write .*file/run.json"):
+        bench_report.write_json(fake_result(random.Random(4)), tmp_path / "file" / "run.json")
+    longest = "j" * (255 - bench_report.TEMP_NAME_EXTRA)
+    bench_report.check_json_target(str(tmp_path / longest))
+    with pytest.raises(NanoQwenError, match="File name too long"):
+        bench_report.check_json_target(str(tmp_path / (longest + "j")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({}, "exactly one of"),
     ({"model": "a", "synthetic": "7b"}, "exactly one of"),

@@ -53,17 +53,27 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
      f"--json /tmp/{'j' * 300}/run.json: File name too long"),
     (["serve", "--host", b"caf\xe9"], r"--host is not valid UTF-8 text (byte 0xe9 at character 3)"),
     (["serve", "--api-key", b"\xffkey"], r"--api-key is not valid UTF-8 text (byte 0xff at character 0)"),
+    (["bench", "--synthetic", "7b", "--json", "/tmp/" + "j" * 250 + ".json"],
+     f"--json /tmp/{'j' * 250}.json: File name too long (the results go to a temporary file beside it first, whose "
+     "name is 12 bytes longer)"),
+    (["serve", "--api-key", "secret "], "--api-key starts or ends with white space, which no Authorization header "
+                                        "can carry; remove it"),
+    (["serve", "--api-key", "sec\x07ret"], "--api-key contains a control character, which no Authorization header "
+                                           "can carry"),
 ], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
         "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
         "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty",
-        "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8", "serve-api-key-not-utf8"])
+        "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8", "serve-api-key-not-utf8",
+        "bench-json-temp-name-too-long", "serve-api-key-white-space", "serve-api-key-control"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
     `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
     `serve --host ''` listened on every interface and `bench --json ''` wrote no file, silently.
     `bench --json /dev/null` would have renamed its results over the device after the run (as root),
     and a --json directory name over 255 bytes was a traceback; `serve --host caf\\xe9` was a TypeError
-    traceback, and a --api-key that is not UTF-8 made every request a 500."""
+    traceback, and a --api-key that is not UTF-8 made every request a 500. A --json name of 244-255
+    bytes passed the checks, but its temporary file's name was too long after the run; an --api-key
+    with white space at its ends (or a control character) made every request a 401."""
     assert_one_error_line(run_module(*args), expected)
 
 

@@ -65,6 +65,12 @@ class ServeOptions:
             raise NanoQwenError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
             raise NanoQwenError("--api-key is empty")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            # An HTTP header value loses the white space at its ends, so no request could match.
+            raise NanoQwenError("--api-key starts or ends with white space, which no Authorization header can "
+                                "carry; remove it")
+        if self.api_key is not None and any(ord(c) < 32 or ord(c) == 127 for c in self.api_key):
+            raise NanoQwenError("--api-key contains a control character, which no Authorization header can carry")
         self.lookup.validate()
         return self
 
