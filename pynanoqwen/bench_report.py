@@ -19,6 +19,7 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -174,6 +175,8 @@ def check_json_target(json_path: str) -> None:
             raise NanoQwenError(f"--json {json_path} is not a regular file; give the path of the JSON file to write")
     except OSError as err:  # a name too long for the file system raises, where a missing one is just False
         raise NanoQwenError(f"--json {json_path}: {err.strerror or err}") from None
+    except RuntimeError:  # Path.resolve on a symlink loop, before Python 3.13 (which raises OSError)
+        raise NanoQwenError(f"--json {json_path}: {os.strerror(errno.ELOOP)}") from None
     try:
         fd, tmp = _temp_file(target)
     except OSError as err:

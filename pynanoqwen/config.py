@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -182,7 +184,7 @@ def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
     """The JSON object in `path`; anything else (absent, unreadable, not UTF-8 JSON, not an
     object) raises `error` naming the file."""
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(read_file_bytes(path, error).decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} not found") from None
     except IsADirectoryError:
@@ -195,6 +197,15 @@ def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
     if not isinstance(value, dict):
         raise error(f"{path} is not a JSON object")
     return value
+
+
+def read_file_bytes(path: Path, error: type[NanoQwenError]) -> bytes:
+    """The bytes of the file at `path`. A FIFO, socket or device raises `error` (opening a FIFO
+    waits for a writer, forever); OSError (absent, a directory, unreadable) propagates."""
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a directory: read_bytes says so
+        raise error(f"{path} is not a regular file")
+    return path.read_bytes()
 
 
 def _is_int(value) -> bool:

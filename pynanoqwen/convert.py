@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import bf16_bits_to_float32
-from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_json_object
+from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_file_bytes, read_json_object
 from .errors import CheckpointError, ConfigError, FormatError
 from .fileformat import MAX_EXTRA_EOS
 from .filewriter import NanoQwenWriter, leftover_temp_files
@@ -103,6 +104,11 @@ def convert_checkpoint(hf_dir: str | Path, out_path: str | Path, *, lm_head_int4
 
     overwrite=False refuses an existing out_path (the command's default; --force passes True).
     An existing file is only ever replaced by a complete new one, atomically."""
+    # Path("") is ".": an empty HF_DIR was taken for the current directory, an empty OUT reported as one.
+    if not str(hf_dir).strip():
+        raise CheckpointError("the checkpoint directory HF_DIR is empty; give a Hugging Face checkpoint directory")
+    if not str(out_path).strip():
+        raise CheckpointError("the output path OUT is empty; give the path of the .nanoqwen file to write")
     with _signals_unwind(CLEANUP_SIGNALS):
         return _convert(Path(hf_dir), Path(out_path), lm_head_int4, progress, overwrite)
 
@@ -116,6 +122,8 @@ def _convert(hf_dir: Path, out_path: Path, lm_head_int4: bool, progress: bool, o
         check_output_path(hf_dir, out_path, overwrite)
     except OSError as err:
         raise CheckpointError(f"{err.filename}: {err.strerror or err}") from None
+    except RuntimeError:  # Path.resolve on a symlink loop, before Python 3.13 (which raises OSError)
+        raise CheckpointError(f"{out_path}: {os.strerror(errno.ELOOP)}") from None
     note_leftover_temp_files(out_path)
     hf_config = read_json_object(hf_dir / "config.json", ConfigError)
     cfg = ModelConfig.from_hf_dict(hf_config)
@@ -170,7 +178,7 @@ def read_tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[bytes, str | None]:
     """tokenizer.json's bytes (checked to load, and to fit the vocabulary) and the chat template."""
     path = hf_dir / "tokenizer.json"
     try:
-        tokenizer_json = path.read_bytes()
+        tokenizer_json = read_file_bytes(path, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found: the tokenizer is embedded in the .nanoqwen file") from None
     except OSError as err:
@@ -205,7 +213,7 @@ def read_chat_template(hf_dir: Path) -> str | None:
     if template is None and jinja_path.exists():
         source = jinja_path
         try:
-            template = jinja_path.read_bytes().decode("utf-8")
+            template = read_file_bytes(jinja_path, CheckpointError).decode("utf-8")
         except OSError as err:
             raise CheckpointError(f"cannot read {jinja_path}: {err.strerror or err}") from None
         except UnicodeDecodeError as bad:
@@ -250,7 +258,8 @@ def check_output_path(hf_dir: Path, out_path: Path, overwrite: bool) -> None:
                               ".nanoqwen file somewhere else")
     if out_path.is_dir():
         raise CheckpointError(f"{out_path} is a directory; give the path of the .nanoqwen file to write")
-    if not where.parent.is_dir():
+    # Both: `missing/../m.nanoqwen` resolves to an existing directory, but the OS cannot walk through `missing`.
+    if not where.parent.is_dir() or not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: the directory {out_path.parent} does not exist")
     if out_path.exists() and not out_path.is_file():  # the rename would put a file where /dev/null or a FIFO was
         raise CheckpointError(f"{out_path} is not a regular file; give the path of the .nanoqwen file to write")

@@ -60,11 +60,13 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
                                         "can carry; remove it"),
     (["serve", "--api-key", "sec\x07ret"], "--api-key contains a control character, which no Authorization header "
                                            "can carry"),
+    (["serve", "--port", "0", "--host", "\u00fc" + "x" * 70],
+     f"cannot listen on \u00fc{'x' * 70}:0: not a valid host name"),
 ], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
         "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
         "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty",
         "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8", "serve-api-key-not-utf8",
-        "bench-json-temp-name-too-long", "serve-api-key-white-space", "serve-api-key-control"])
+        "bench-json-temp-name-too-long", "serve-api-key-white-space", "serve-api-key-control", "serve-host-not-idna"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
     `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
@@ -73,8 +75,20 @@ def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     and a --json directory name over 255 bytes was a traceback; `serve --host caf\\xe9` was a TypeError
     traceback, and a --api-key that is not UTF-8 made every request a 500. A --json name of 244-255
     bytes passed the checks, but its temporary file's name was too long after the run; an --api-key
-    with white space at its ends (or a control character) made every request a 401."""
+    with white space at its ends (or a control character) made every request a 401. A non-ASCII
+    --host that IDNA cannot encode (a label over 63 characters) was a TypeError traceback."""
     assert_one_error_line(run_module(*args), expected)
+
+
+@pytest.mark.parametrize("name", ["run.json", "loop/run.json"])
+def test_bench_json_in_a_symlink_loop_is_one_error_line(tmp_path, name):
+    """Path.resolve raises RuntimeError on a symlink loop (before Python 3.13): a traceback."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    if name == "run.json":
+        (tmp_path / name).symlink_to(tmp_path / "loop")
+    target = tmp_path / name
+    assert_one_error_line(run_module("bench", "--synthetic", "7b", "--json", target),
+                          f"--json {target}: Too many levels of symbolic links")
 
 
 def test_bench_without_a_gpu_says_so_once_the_settings_are_good():

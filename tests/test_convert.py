@@ -499,7 +499,8 @@ def test_an_input_reached_through_a_symlink_is_never_replaced(tmp_path, bf16_che
 @pytest.mark.parametrize("make_out, message", [
     (lambda d: d / "no-such-dir" / "m.nanoqwen", "the directory {parent} does not exist"),
     (lambda d: d, "is a directory"),
-], ids=["missing-directory", "directory"])
+    (lambda d: d / "no-such-dir" / ".." / "m.nanoqwen", "the directory {parent} does not exist"),
+], ids=["missing-directory", "directory", "through-a-missing-directory"])
 def test_an_out_that_cannot_be_a_file_is_refused_before_reading_weights(tmp_path, bf16_checkpoint, make_out, message):
     out = make_out(tmp_path)
     result = run_convert(bf16_checkpoint, out)
@@ -534,6 +535,51 @@ def test_weights_in_a_fifo_are_refused_not_waited_for(tmp_path, bf16_checkpoint)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr == f"error: {hf_dir / 'model.safetensors'} is not a regular file\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                                  "chat_template.jinja", "model.safetensors.index.json"])
+def test_checkpoint_files_in_a_fifo_are_refused_not_waited_for(tmp_path, bf16_checkpoint, name):
+    """As for the weights: a FIFO in place of config.json, the tokenizer, its config, the chat template,
+    generation_config.json or the index made convert wait for a writer, silently, forever."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    if name == "chat_template.jinja":  # read only where tokenizer_config.json holds no template
+        _edit_json("tokenizer_config.json", chat_template=None)(hf_dir)
+    (hf_dir / name).unlink(missing_ok=True)
+    os.mkfifo(hf_dir / name)
+    result = subprocess.run([sys.executable, "-m", "pynanoqwen", "convert", str(hf_dir), str(tmp_path / "m.nanoqwen")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == f"error: {hf_dir / name} is not a regular file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("make_out", [lambda loop: loop, lambda loop: loop / "m.nanoqwen"], ids=["out", "out-directory"])
+def test_an_out_in_a_symlink_loop_is_one_error_line(tmp_path, bf16_checkpoint, make_out):
+    """Path.resolve raises RuntimeError on a symlink loop (before Python 3.13): a traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    out = make_out(tmp_path / "a")
+    for force in ([], ["--force"]):
+        result = run_convert(bf16_checkpoint, out, *force)
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == f"error: {out}: Too many levels of symbolic links\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["{hf}", ""], "the output path OUT is empty; give the path of the .nanoqwen file to write"),
+    (["", "{tmp}/m.nanoqwen"], "the checkpoint directory HF_DIR is empty; give a Hugging Face checkpoint directory"),
+], ids=["out", "hf-dir"])
+def test_an_empty_path_is_named_as_empty(tmp_path, bf16_checkpoint, args, expected):
+    """An empty OUT was reported as `.: is a directory`; an empty HF_DIR was the current directory,
+    and OUT was said to be inside the checkpoint directory `.`."""
+    args = [a.format(hf=bf16_checkpoint, tmp=tmp_path) for a in args]
+    result = run_convert(*args, cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == f"error: {expected}\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_force_does_not_replace_what_is_not_a_file(tmp_path, bf16_checkpoint):

@@ -317,6 +317,27 @@ def test_a_model_whose_chat_template_does_not_compile_still_completes(tmp_path):
         assert answer.json()["choices"][0]["text"] == generate_text(model, model.tokenizer.encode(PROMPTS[0]), 4)[0]
 
 
+def test_messages_a_chat_template_refuses_are_a_400(tmp_path):
+    """A template that calls raise_exception on some conversations (many do: "roles must alternate")
+    made such a request a 500 with a traceback in the server log; it is the request's fault."""
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}"
+                "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    path = rewritten(tmp_path / "raising-template.nanoqwen", chat_template=template)
+    backend, model = load_model(path, "cpu", CONTEXT, self_check=False, on_status=lambda line: None)
+    with serving(backend, model) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for stream in (False, True):
+            refused = http.post("/v1/chat/completions", json={"model": model.id, "stream": stream,
+                                                              "messages": [{"role": "system", "content": "x"}]})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"] == {"message": "The chat template failed: the first message must be the "
+                                                          "user's.", "type": "invalid_request_error",
+                                               "param": "messages", "code": "chat_template_failed"}
+        answer = http.post("/v1/chat/completions", json={"model": model.id, "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "x"}]})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
 def test_prompt_lookup_serves_the_same_tokens_and_counts_its_drafts(server, http):
     """serve --prompt-lookup 6: greedy answers token for token those of the server without it, on
     requests whose context holds what they write (HELPER's repeated functions), with the prefix

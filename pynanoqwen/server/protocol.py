@@ -26,6 +26,7 @@ import dataclasses
 import secrets
 
 from ..config import MAX_INT32
+from ..errors import NanoQwenError
 from ..generate import build_prompt
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -191,7 +192,12 @@ def chat_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
                  else "\n".join(part["text"] for part in m["content"])} for m in body["messages"]]
     tokenizer = model.tokenizer
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except NanoQwenError as err:  # the template refused these messages (raise_exception) or failed on them
+        raise ApiError(400, f"The {str(err).removeprefix('the ')}.", param="messages", code="chat_template_failed") \
+            from None
+    prompt_ids = tokenizer.encode(text)
     max_tokens = body["max_completion_tokens"] if body["max_completion_tokens"] is not None else body["max_tokens"]
     request = GenerationRequest(prompt_ids, openai_sampling(body), budget(prompt_ids, max_tokens, model, "messages"),
                                 tokenizer.stop_ids, text_list(body["stop"]))

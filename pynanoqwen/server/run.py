@@ -87,6 +87,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as err:
         raise NanoQwenError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    except TypeError:  # a non-ASCII name that IDNA cannot encode ("encoding of hostname failed")
+        raise NanoQwenError(f"cannot listen on {host}:{port}: not a valid host name") from None
     sock.setblocking(False)
     return sock
 
