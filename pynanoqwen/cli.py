@@ -211,8 +211,9 @@ def bench(model, synthetic, prompt_tokens, gen_tokens, repeats, eager_tokens, ge
 @click.option("--skip-selfcheck", is_flag=True,
               help="On the GPU, skip the check of one decode step against the numpy reference before serving.")
 @lookup_options
+@verbose_option
 def serve(model, device, host, port, max_context, api_key, max_queue, no_prefix_cache, skip_selfcheck, prompt_lookup,
-          lookup_ngram):
+          lookup_ngram, verbose):
     """Serve the model over HTTP: OpenAI's /v1/completions and /v1/chat/completions, llama.cpp's /infill."""
     from .prompt_lookup import lookup_params
     from .server.run import ServeOptions, serve as run_server
@@ -220,4 +221,5 @@ def serve(model, device, host, port, max_context, api_key, max_queue, no_prefix_
     options = ServeOptions(model=model, device=device, host=host, port=port, max_context=max_context, api_key=api_key,
                            max_queue=max_queue, prefix_cache=not no_prefix_cache, self_check=not skip_selfcheck,
                            lookup=lookup_params(prompt_lookup, lookup_ngram))
-    run_server(options, on_status=lambda line: click.echo(line, err=True))
+    with library_warnings(verbose):  # the filter is the process's, so the server's worker thread has it too
+        run_server(options, on_status=lambda line: click.echo(line, err=True))

@@ -51,3 +51,28 @@ def test_what_cannot_start_is_one_error_line(tmp_path):
         run = subprocess.run(SERVE + args, capture_output=True, text=True, timeout=120, env=env)
         assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
     taken.close()
+
+
+def test_serve_hides_numba_warnings_unless_verbose(monkeypatch):
+    """Like generate, bench and validate, serve runs inside device.library_warnings: a numba-cuda
+    warning raised while it serves (here by a stand-in for the server) is shown only with
+    --verbose. serve had no --verbose and printed every such warning."""
+    import warnings
+
+    from click.testing import CliRunner
+    from numba.core.errors import NumbaPerformanceWarning
+
+    import pynanoqwen.server.run as run
+    from pynanoqwen.cli import main
+
+    def fake_serve(options, on_status):
+        warnings.warn("grid size 1 will likely result in GPU under-utilization", NumbaPerformanceWarning)
+        on_status("served")
+
+    monkeypatch.setattr(run, "serve", fake_serve)
+    for flags, shown in (([], False), (["--verbose"], True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = CliRunner().invoke(main, ["serve", "--device", "cpu", *flags])
+        assert result.exit_code == 0 and "served" in result.output, result.output
+        assert any("under-utilization" in str(w.message) for w in caught) == shown, caught
