@@ -26,9 +26,8 @@ temporaries stay near 100 MB; the output tensor is held whole because the writer
 tensors. Peak memory is therefore near the largest output tensor (the 7B's FP16 embedding
 table, 1.09 GB), never the model. The summary line reports the measured peak RSS.
 
-Measured on the 7B preset (random BF16 weights, 4 shards, 15.23 GB; 2-core CPU shared with other
-jobs): 161 s wall, peak RSS 1.17 GB, 4.74 GB written. The disk read (~95 MB/s here) is the limit:
-CPU time was 38 s user + 33 s system.
+The README quotes the summary lines measured on the 7B preset (time, peak RSS, bytes read and
+written, on a 2-core VM and on the 16-core H200 machine); they are kept there only.
 """
 
 from __future__ import annotations
@@ -281,14 +280,28 @@ def check_not_an_input(out_path: Path, inputs: set[Path]) -> None:
 def note_leftover_temp_files(out_path: Path) -> None:
     for path, pid in leftover_temp_files(out_path):
         try:
-            os.kill(pid, 0)
-            state = "which is still running: another convert may be writing it"
-        except ProcessLookupError:
-            state = "which is no longer running"
-        except OSError:  # PermissionError: the process exists but is someone else's
-            state = "which is still running"
-        print(f"note: {path} ({_size(path.stat().st_size)}) was left by an earlier convert (process {pid}, "
-              f"{state}); it is not this run's and stays where it is", file=sys.stderr)
+            size = _size(path.stat().st_size)
+        except FileNotFoundError:  # removed since the directory was listed (its writer finished or failed)
+            continue
+        except OSError as err:  # a directory we may list but not look into: named, without a size
+            size = f"size unknown: {err.strerror or err}"
+        print(f"note: {path} ({size}) was left by an earlier convert (process {pid}, "
+              f"{_writer_state(pid)}); it is not this run's and stays where it is", file=sys.stderr)
+
+
+def _writer_state(pid: int) -> str:
+    """Whether the process of a temp file's name runs. A pid of 0 or less, or one beyond what os.kill
+    takes, was never a writer's: os.kill(0, 0) asks about our own process group, and a pid of more
+    digits than a C long raises OverflowError."""
+    if pid <= 0:
+        return "which is no longer running"
+    try:
+        os.kill(pid, 0)
+    except (OverflowError, ValueError, ProcessLookupError):
+        return "which is no longer running"
+    except OSError:  # PermissionError: the process exists but is someone else's
+        return "which is still running"
+    return "which is still running: another convert may be writing it"
 
 
 def index_checkpoint(hf_dir: Path) -> dict[str, SourceTensor]:

@@ -21,9 +21,12 @@ summary line follows, and the command exits 1 if any check failed. The tiers, ch
              and against each other; and, on the embedded model, the tokens against the reference's.
 
 The prompts are the starts of functions in held-out standard library files (pynanoqwen.data):
-PROMPT_TOKENS tokens each, continued by NEW_TOKENS. Where a tier cannot run (no GPU, no
-transformers, a file that failed the format checks) its checks are SKIP with the reason; --device
-cuda on a machine without a GPU is a FAIL.
+PROMPT_TOKENS tokens each, continued by NEW_TOKENS. --prompts above their count
+(data.held_out_function_count(), 580 on Python 3.11) is refused with the other arguments; a
+tokenizer that finds a function shorter than PROMPT_TOKENS tokens leaves fewer (the tiny-coder's:
+579), and asking for more than that is a FAIL line of the reference tier. Where a tier cannot
+run (no GPU, no transformers, a file that failed the format checks) its checks are SKIP with the
+reason; --device cuda on a machine without a GPU is a FAIL.
 
 Limits (gates.py derives or estimates each one, from the path's arithmetic and the reference's own
 outputs, never from the output under test): the layer update's relative error under the path's
@@ -58,7 +61,7 @@ import numpy as np
 
 from . import device, gates, transformers_adapter
 from .backends import CpuBackend, load_engine
-from .data import EMBEDDED_MODEL, held_out_prompts
+from .data import EMBEDDED_MODEL, held_out_function_count, held_out_prompts
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile, model_path
 from .kernels import GEMV_PATHS
@@ -159,6 +162,9 @@ def validate(model: str | None, device_name: str = "auto", prompts: int = DEFAUL
         raise NanoQwenError(f"--prompts must be >= 1, got {prompts}")
     if seed is not None and seed < 0:
         raise NanoQwenError(f"--seed must be >= 0, got {seed}")
+    if prompts > (most := held_out_function_count()):
+        raise NanoQwenError(f"--prompts must be at most {most}, got {prompts}: the held-out standard library "
+                            f"files of this Python hold {most} functions to draw prompts from")
     path = model_path(model) if model is not None else EMBEDDED_MODEL  # an empty path is an argument error
     embedded = model is None or path.resolve() == EMBEDDED_MODEL.resolve()
     seed = int(np.random.SeedSequence().entropy % 2**32) if seed is None else seed

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.data import EMBEDDED_MODEL, held_out_function_count
 from pynanoqwen.device import cuda_gpu_available
 
 
@@ -28,6 +28,8 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
 @pytest.mark.parametrize("args, expected", [
     (["validate", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["validate", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["validate", "--prompts", "100000"], f"--prompts must be at most {held_out_function_count()}, got 100000: the "
+     f"held-out standard library files of this Python hold {held_out_function_count()} functions to draw prompts from"),
     (["bench", "--synthetic", "7b", "--repeats", "0"], "--repeats must be at least 1"),
     (["bench", "--synthetic", "7b", "--gen-tokens", "2"],
          "--gen-tokens must be at least 3: the first gap of a run overlaps the next step's launch, so fewer give no interval"),
@@ -62,11 +64,12 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected: str, co
                                            "can carry"),
     (["serve", "--port", "0", "--host", "\u00fc" + "x" * 70],
      f"cannot listen on \u00fc{'x' * 70}:0: not a valid host name"),
-], ids=["validate-seed", "validate-prompts", "bench-repeats", "bench-gen-tokens", "bench-prompt-tokens",
-        "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir", "bench-both",
-        "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host", "bench-json-empty",
-        "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8", "serve-api-key-not-utf8",
-        "bench-json-temp-name-too-long", "serve-api-key-white-space", "serve-api-key-control", "serve-host-not-idna"])
+], ids=["validate-seed", "validate-prompts", "validate-too-many-prompts", "bench-repeats", "bench-gen-tokens",
+        "bench-prompt-tokens", "bench-eager-tokens", "bench-preset", "bench-missing-model", "bench-json-dir",
+        "bench-both", "bench-run-beyond-context", "bench-eager-run-beyond-context", "serve-empty-host",
+        "bench-json-empty", "bench-json-device", "bench-json-name-too-long", "serve-host-not-utf8",
+        "serve-api-key-not-utf8", "bench-json-temp-name-too-long", "serve-api-key-white-space",
+        "serve-api-key-control", "serve-host-not-idna"])
 def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     """`validate --seed -1` was a 40-line traceback; `bench --synthetic 9b` reported the missing GPU, and
     `bench --prompt-tokens 4000` on a 2048-token model failed on the GPU after loading the weights;
@@ -76,7 +79,8 @@ def test_bad_settings_are_reported_before_the_missing_gpu(args, expected):
     traceback, and a --api-key that is not UTF-8 made every request a 500. A --json name of 244-255
     bytes passed the checks, but its temporary file's name was too long after the run; an --api-key
     with white space at its ends (or a control character) made every request a 401. A non-ASCII
-    --host that IDNA cannot encode (a label over 63 characters) was a TypeError traceback."""
+    --host that IDNA cannot encode (a label over 63 characters) was a TypeError traceback. `validate
+    --prompts` above the held-out functions' count ran the tiers, then printed a FAIL line."""
     assert_one_error_line(run_module(*args), expected)
 
 

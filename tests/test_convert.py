@@ -582,6 +582,28 @@ def test_an_empty_path_is_named_as_empty(tmp_path, bf16_checkpoint, args, expect
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("mutate, expected", [
+    (_edit_config(num_attention_heads=0),
+     "error: config.json has a malformed num_attention_heads: expected a positive integer, got 0\n"),
+    (_edit_config(hidden_size=256.7), "error: config.json has a malformed hidden_size: expected a positive integer, "
+                                      "got 256.7\n"),
+    (_edit_json("tokenizer_config.json", chat_template="{% for m in messages %}"),
+     "error: {hf_dir}/tokenizer_config.json: the chat template does not compile: "),  # then jinja2's words
+], ids=["zero-heads", "fractional-hidden-size", "template-does-not-compile"])
+def test_a_bad_config_or_template_is_one_error_line_from_the_command(tmp_path, bf16_checkpoint, mutate, expected):
+    """The command as a user runs it (test_error_is_named_and_leaves_no_file runs these in-process)."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(bf16_checkpoint, hf_dir)
+    mutate(hf_dir)
+    out = tmp_path / "m.nanoqwen"
+    result = run_convert(hf_dir, out)
+    assert result.returncode == 1 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(expected.format(hf_dir=hf_dir)), result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.endswith("\n"), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
 def test_force_does_not_replace_what_is_not_a_file(tmp_path, bf16_checkpoint):
     """`convert hf /dev/null --force` renamed the new file over the device (as root); a FIFO shows it."""
     out = tmp_path / "pipe"
@@ -641,6 +663,51 @@ def test_leftover_temp_files_of_earlier_runs_are_named_and_kept(tmp_path, bf16_c
             "running); it is not this run's and stays where it is") in result.stderr.splitlines()
     assert stale.read_bytes() == b"x" * 2_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.nanoqwen", stale.name])
+
+
+@pytest.mark.parametrize("pid", ["0", "99999999999999999999", "2147483648"],
+                         ids=["zero", "beyond-c-long", "beyond-pid_t"])
+def test_a_leftover_whose_pid_no_process_can_have_is_no_longer_running(tmp_path, bf16_checkpoint, pid):
+    """A pid of more digits than a C long was an OverflowError traceback from os.kill, and one beyond
+    pid_t another; pid 0 was reported as "still running" (os.kill(0, 0) asks about our own group)."""
+    stale = tmp_path / f"m.nanoqwen.tmp.{pid}.0123abcd"
+    stale.write_bytes(b"x" * 1_000_000)
+    result = run_convert(bf16_checkpoint, tmp_path / "m.nanoqwen")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert (f"note: {stale} (1.0 MB) was left by an earlier convert (process {pid}, which is no longer "
+            "running); it is not this run's and stays where it is") in result.stderr.splitlines()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.nanoqwen", stale.name])
+
+
+LEFTOVER_VANISHES_AFTER_LISTING = """
+import sys
+from pynanoqwen import convert
+from pynanoqwen.cli import main
+
+leftover_temp_files = convert.leftover_temp_files
+
+def listed_then_removed(path):
+    found = leftover_temp_files(path)
+    for temp, _ in found:  # its writer finished (renamed it) or failed (removed it) just now
+        temp.unlink()
+    return found
+
+convert.leftover_temp_files = listed_then_removed
+sys.argv = ["pynanoqwen", "convert", sys.argv[1], sys.argv[2]]
+main()
+"""
+
+
+def test_a_leftover_that_vanishes_after_listing_is_skipped(tmp_path, bf16_checkpoint):
+    """A temp file removed between the directory listing and its stat() was a FileNotFoundError traceback."""
+    stale = tmp_path / "m.nanoqwen.tmp.12345.0123abcd"
+    stale.write_bytes(b"x")
+    result = subprocess.run([sys.executable, "-c", LEFTOVER_VANISHES_AFTER_LISTING, str(bf16_checkpoint),
+                             str(tmp_path / "m.nanoqwen")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "note:" not in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["m.nanoqwen"]
 
 
 def test_the_summary_gives_time_peak_memory_and_size(tmp_path, bf16_checkpoint):

@@ -13,6 +13,7 @@ not been trained on, on every machine that has Python.
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from collections.abc import Callable
@@ -53,6 +54,30 @@ def read_source(rel_path: str) -> str:
     return (stdlib_dir() / rel_path).read_text(encoding="utf-8", errors="replace")
 
 
+@functools.cache
+def _held_out_functions() -> tuple[tuple[str, int], ...]:
+    """(source of a held-out file, offset of one of its `def` lines) for every `def` line of the
+    held-out files, in file order: where held_out_prompts may start a prompt."""
+    functions = []
+    for rel in corpus_files():
+        if not is_held_out(rel):
+            continue
+        text = read_source(rel)
+        start = 0
+        for line in text.splitlines(keepends=True):
+            if line.lstrip().startswith("def "):
+                functions.append((text, start))
+            start += len(line)
+    return tuple(functions)
+
+
+def held_out_function_count() -> int:
+    """How many functions the held-out files hold: the most prompts held_out_prompts can give, with
+    any tokenizer and length (it gives fewer where a function's source is shorter than `length`
+    tokens). The standard library of the running Python decides it; no model or tokenizer is needed."""
+    return len(_held_out_functions())
+
+
 def held_out_prompts(encode: Callable[[str], list[int]], count: int, length: int) -> list[list[int]]:
     """`count` prompts of exactly `length` token ids (`encode`: text -> ids): starts of held-out functions.
 
@@ -61,16 +86,7 @@ def held_out_prompts(encode: Callable[[str], list[int]], count: int, length: int
     them are taken evenly spaced, so the prompts spread over all the held-out files.
     Raises ValueError when the held-out files have fewer than `count` such functions.
     """
-    candidates = []
-    for rel in corpus_files():
-        if not is_held_out(rel):
-            continue
-        text = read_source(rel)
-        start = 0
-        for line in text.splitlines(keepends=True):
-            if line.lstrip().startswith("def "):
-                candidates.append(text[start:start + CHARS_PER_TOKEN_BOUND * length])
-            start += len(line)
+    candidates = [text[start:start + CHARS_PER_TOKEN_BOUND * length] for text, start in _held_out_functions()]
     prompts = [ids[:length] for ids in map(encode, candidates) if len(ids) >= length]
     if len(prompts) < count:
         raise ValueError(f"the held-out standard library files hold {len(prompts)} functions of "
