@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.prompt_lookup import LookupParams
 from pynanoqwen.server.prompts import infill_prompt
 from pynanoqwen.server.run import load_model
@@ -247,6 +249,15 @@ def test_a_client_that_disconnects_mid_stream_frees_the_engine(server, http):
      "messages[0].\udc80", "unknown_field"),
     ("/v1/completions", {"model": "M", "prompt": "x", "logit_bias": {"\udfff": "x"}}, 400, "logit_bias.\udfff",
      "invalid_type"),
+    # The error named max_tokens (1 here) when max_completion_tokens was the one too large.
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                              "max_completion_tokens": CONTEXT + 144}, 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    # stream_options without stream was ignored (no usage event can come); OpenAI refuses it.
+    ("/v1/completions", {"model": "M", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options", "invalid_value"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "stream": False,
+                              "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
 ])
 def test_bad_requests_get_openai_errors(server, http, path, body, status, param, code):
     _, model = server
@@ -286,6 +297,15 @@ def test_malformed_requests_are_json_errors(http, method, path, content, status)
     answer = http.request(method, path, content=content)
     assert answer.status_code == status
     assert answer.json()["error"]["message"]
+
+
+def test_a_405_says_which_methods_are_allowed(http):
+    """HTTP requires Allow with a 405 (RFC 9110, 15.5.6); the JSON error had dropped Starlette's."""
+    for method, path, allowed in (("GET", "/v1/completions", {"POST"}), ("DELETE", "/health", {"GET", "HEAD"}),
+                                  ("PUT", "/v1/models", {"GET", "HEAD"})):
+        answer = http.request(method, path)
+        assert answer.status_code == 405 and answer.json()["error"]["message"]
+        assert {m.strip() for m in answer.headers["allow"].split(",")} == allowed
 
 
 def test_the_api_key():
@@ -355,3 +375,28 @@ def test_prompt_lookup_serves_the_same_tokens_and_counts_its_drafts(server, http
         scraped = looked_up.get("/metrics").text
     drafted = metric(scraped, "pynanoqwen_prompt_lookup_drafted_tokens_total")
     assert 0 < metric(scraped, "pynanoqwen_prompt_lookup_accepted_tokens_total") <= drafted
+
+
+def test_a_prompt_token_beyond_the_model_vocabulary_is_a_400(tmp_path):
+    """A file whose tokenizer.json has a token past vocab_size (convert refuses such a tokenizer;
+    a file written otherwise may hold one): a prompt with it was a 500 from the engine."""
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        tokenizer_json = json.loads(bytes(f.tokenizer_json))
+        vocab_size = f.config.vocab_size
+    tokenizer_json["added_tokens"].append({"id": vocab_size, "content": "<|beyond|>", "single_word": False,
+                                           "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    path = rewritten(tmp_path / "beyond.nanoqwen", tokenizer_json=json.dumps(tokenizer_json).encode())
+    backend, model = load_model(path, "cpu", CONTEXT, self_check=False, on_status=lambda line: None)
+    with serving(backend, model) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, param in (
+                ("/v1/completions", {"model": model.id, "prompt": "x <|beyond|>"}, "prompt"),
+                ("/v1/completions", {"model": model.id, "prompt": "x <|beyond|>", "stream": True}, "prompt"),
+                ("/v1/chat/completions", {"model": model.id, "messages": [{"role": "user", "content": "<|beyond|>"}]},
+                 "messages"),
+                ("/infill", {"input_prefix": "<|beyond|>", "input_suffix": ""}, "input_prefix")):
+            refused = http.post(path, json=body)
+            assert refused.status_code == 400, refused.text
+            assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (param, "invalid_value")
+            assert f"token {vocab_size} ('<|beyond|>')" in refused.json()["error"]["message"]
+        answer = http.post("/v1/completions", json={"model": model.id, "prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2

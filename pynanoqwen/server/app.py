@@ -240,8 +240,9 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
         return error_response(err)
 
     async def http_error(request: Request, err: HTTPException):
+        # err.headers carries a 405's Allow, which HTTP requires with it (RFC 9110, 15.5.6).
         return error_response(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
-                                       code="not_found" if err.status_code == 404 else None))
+                                       code="not_found" if err.status_code == 404 else None, headers=err.headers))
 
     async def server_error(request: Request, err: Exception):
         return error_response(ApiError(500, "Internal server error; the server log has the traceback.",

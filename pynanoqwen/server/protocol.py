@@ -143,6 +143,11 @@ def budget(prompt_ids: list[int], max_tokens: int | None, model: ModelInfo, prom
     if n == 0:
         raise ApiError(400, "The prompt is empty: there is nothing to continue.", param=prompt_param,
                        code="empty_prompt")
+    if max(prompt_ids) >= model.vocab_size:  # a file whose tokenizer.json has tokens its weights lack
+        token = next(t for t in prompt_ids if t >= model.vocab_size)
+        raise ApiError(400, f"The prompt holds token {token} ({model.tokenizer.decode([token])!r}), which this model's "
+                            f"tokenizer has but its {model.vocab_size}-token vocabulary does not.",
+                       param=prompt_param, code="invalid_value")
     if n + 1 > context:
         raise ApiError(400, f"The prompt is {n} tokens, {n + 1 - context} more than the {context - 1} that fit in "
                             f"this model's context of {context} tokens with one generated token.",
@@ -198,8 +203,9 @@ def chat_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
         raise ApiError(400, f"The {str(err).removeprefix('the ')}.", param="messages", code="chat_template_failed") \
             from None
     prompt_ids = tokenizer.encode(text)
-    max_tokens = body["max_completion_tokens"] if body["max_completion_tokens"] is not None else body["max_tokens"]
-    request = GenerationRequest(prompt_ids, openai_sampling(body), budget(prompt_ids, max_tokens, model, "messages"),
+    max_param = "max_completion_tokens" if body["max_completion_tokens"] is not None else "max_tokens"
+    request = GenerationRequest(prompt_ids, openai_sampling(body),
+                                budget(prompt_ids, body[max_param], model, "messages", max_param),
                                 tokenizer.stop_ids, text_list(body["stop"]))
     return request, Reply("chat", body["stream"], _include_usage(body))
 
@@ -221,6 +227,9 @@ def infill_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
 
 
 def _include_usage(body: dict) -> bool:
+    if body["stream_options"] is not None and not body["stream"]:  # OpenAI's 400: it would do nothing
+        raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options", code="invalid_value")
     return bool(body["stream_options"] and body["stream_options"]["include_usage"])
 
 
