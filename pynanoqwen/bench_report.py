@@ -19,7 +19,6 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -27,6 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from .config import resolved
 from .errors import NanoQwenError
 
 SCHEMA = 1
@@ -169,14 +169,12 @@ def check_json_target(json_path: str) -> None:
     is within the file system's limit itself but not with TEMP_NAME_EXTRA more bytes)."""
     target = Path(json_path)
     try:
-        if not target.resolve().parent.is_dir():
+        if not resolved(target).parent.is_dir():
             raise NanoQwenError(f"--json {json_path}: its directory does not exist")
         if target.exists() and not target.is_file():
             raise NanoQwenError(f"--json {json_path} is not a regular file; give the path of the JSON file to write")
     except OSError as err:  # a name too long for the file system raises, where a missing one is just False
         raise NanoQwenError(f"--json {json_path}: {err.strerror or err}") from None
-    except RuntimeError:  # Path.resolve on a symlink loop, before Python 3.13 (which raises OSError)
-        raise NanoQwenError(f"--json {json_path}: {os.strerror(errno.ELOOP)}") from None
     try:
         fd, tmp = _temp_file(target)
     except OSError as err:

@@ -8,6 +8,7 @@ group size (128) does not divide.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -197,6 +198,15 @@ def read_json_object(path: Path, error: type[NanoQwenError]) -> dict:
     if not isinstance(value, dict):
         raise error(f"{path} is not a JSON object")
     return value
+
+
+def resolved(path: Path) -> Path:
+    """path.resolve(), with a symlink loop raised as the OSError (ELOOP) it is from Python 3.13 on:
+    before, Path.resolve raises RuntimeError, which the callers' OSError handlers did not catch."""
+    try:
+        return path.resolve()
+    except RuntimeError:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path)) from None
 
 
 def read_file_bytes(path: Path, error: type[NanoQwenError]) -> bytes:

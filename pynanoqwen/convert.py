@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -49,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import bf16_bits_to_float32
-from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_file_bytes, read_json_object
+from .config import GROUP_SIZE, ModelConfig, hf_eos_token_ids, read_file_bytes, read_json_object, resolved
 from .errors import CheckpointError, ConfigError, FormatError
 from .fileformat import MAX_EXTRA_EOS
 from .filewriter import NanoQwenWriter, leftover_temp_files
@@ -121,8 +120,6 @@ def _convert(hf_dir: Path, out_path: Path, lm_head_int4: bool, progress: bool, o
         check_output_path(hf_dir, out_path, overwrite)
     except OSError as err:
         raise CheckpointError(f"{err.filename}: {err.strerror or err}") from None
-    except RuntimeError:  # Path.resolve on a symlink loop, before Python 3.13 (which raises OSError)
-        raise CheckpointError(f"{out_path}: {os.strerror(errno.ELOOP)}") from None
     note_leftover_temp_files(out_path)
     hf_config = read_json_object(hf_dir / "config.json", ConfigError)
     cfg = ModelConfig.from_hf_dict(hf_config)
@@ -251,8 +248,8 @@ def read_extra_eos_ids(hf_dir: Path, hf_config: dict, cfg: ModelConfig) -> tuple
 def check_output_path(hf_dir: Path, out_path: Path, overwrite: bool) -> None:
     """Refuse an OUT inside the checkpoint, an OUT that is a directory, a device or a FIFO or whose
     directory is missing, and an existing OUT unless `overwrite`."""
-    where = out_path.resolve()
-    if where.is_relative_to(hf_dir.resolve()):
+    where = resolved(out_path)
+    if where.is_relative_to(resolved(hf_dir)):
         raise CheckpointError(f"{out_path} is inside the checkpoint directory {hf_dir}; write the "
                               ".nanoqwen file somewhere else")
     if out_path.is_dir():
