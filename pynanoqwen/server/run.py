@@ -63,16 +63,22 @@ class ServeOptions:
             raise NanoQwenError(f"--max-context must be >= 2, got {self.max_context}")
         if self.max_queue < 0:
             raise NanoQwenError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise NanoQwenError("--api-key is empty")
-        if self.api_key is not None and self.api_key != self.api_key.strip():
-            # An HTTP header value loses the white space at its ends, so no request could match.
-            raise NanoQwenError("--api-key starts or ends with white space, which no Authorization header can "
-                                "carry; remove it")
-        if self.api_key is not None and any(ord(c) < 32 or ord(c) == 127 for c in self.api_key):
-            raise NanoQwenError("--api-key contains a control character, which no Authorization header can carry")
+        if self.api_key is not None:
+            _check_api_key(self.api_key)
         self.lookup.validate()
         return self
+
+
+def _check_api_key(key: str) -> None:
+    """Refuse a key no request could match: an HTTP header value loses the white space at its ends
+    and cannot carry control characters."""
+    if not key.strip():
+        raise NanoQwenError("--api-key is empty")
+    if key != key.strip():
+        raise NanoQwenError("--api-key starts or ends with white space, which no Authorization header can "
+                            "carry; remove it")
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise NanoQwenError("--api-key contains a control character, which no Authorization header can carry")
 
 
 def bind(host: str, port: int) -> socket.socket:
