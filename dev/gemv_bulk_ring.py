@@ -50,6 +50,7 @@ from numba.core import types
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pynanoqwen.config import GROUP_SIZE  # noqa: E402
+from pynanoqwen.kernels.gemm_int4_wgmma import SHARED_LIMIT  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import CHUNK_STRIDE, U, dot8_prmt  # noqa: E402
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
 from pynanoqwen.ptx.bulk_copy import bulk_copy_to_shared  # noqa: E402
@@ -59,8 +60,6 @@ from pynanoqwen.ptx.mbarrier import (fence_barrier_init, mbarrier_arrive, mbarri
                                      mbarrier_init, mbarrier_wait)
 from pynanoqwen.ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32  # noqa: E402
 from pynanoqwen.ptx.warp import warp_sum  # noqa: E402
-
-MAX_SHARED_BYTES = 227 * 1024  # an sm_90 block's dynamic shared memory (docs/HARDWARE.md)
 
 
 def most_rows(n: int, grid: int) -> int:
@@ -97,8 +96,8 @@ def check_shape(n: int, k: int, grid: int, setting: Setting) -> None:
     if roundings > k // 32 + 8:
         raise ValueError(f"{roundings} roundings a row exceed the oracle's {k // 32 + 8}")
     nbytes = layout(n, k, grid, setting)["bytes"]
-    if nbytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{nbytes} bytes of shared memory exceed a block's {MAX_SHARED_BYTES}")
+    if nbytes > SHARED_LIMIT:
+        raise ValueError(f"{nbytes} bytes of shared memory exceed a block's {SHARED_LIMIT}")
 
 
 @functools.cache
