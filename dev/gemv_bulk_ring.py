@@ -289,9 +289,9 @@ def check(rng, shapes=None, grid=None, settings=SETTINGS, launches=2):
     """Each setting against float64 (oracles.gemv_oracle, plus one u32 of |h + W x| for the residual
     add) on fresh Gaussian x and h and random INT4 weights, 7B shapes on the GPU's SMs unless given;
     each runs `launches` times from the same h, which must give the same bits."""
-    from harness import LINEARS_7B, random_int4
+    from harness import LINEARS_7B, random_int4, residual_gemv_checks
     from pynanoqwen.device import sm_count
-    from pynanoqwen.oracles import U32, bound_report, gemv_oracle, passed
+    from pynanoqwen.oracles import U32, gemv_oracle
 
     shapes = shapes or {name: LINEARS_7B[name] for name in settings}
     results = []
@@ -305,47 +305,22 @@ def check(rng, shapes=None, grid=None, settings=SETTINGS, launches=2):
         blocks = grid or sm_count()
         for setting in settings[name]:
             gemv = BulkRingGemv(n, k, qweight, scales, blocks, setting)
-            outs = []
-            for _ in range(launches):
-                h_device = cuda.to_device(h)
-                gemv.launch(0, cuda.to_device(x), h_device)
-                outs.append(h_device.copy_to_host())
-            title = f"{name} {label(setting)}, grid {blocks}"
-            results.append(bound_report(title, np.abs(outs[0].astype(np.float64) - expected), bound))
-            if launches > 1:
-                results.append(passed(f"{title}: {launches} runs", all(np.array_equal(o, outs[0]) for o in outs),
-                                      "bit-identical"))
+            results += residual_gemv_checks(
+                f"{name} {label(setting)}, grid {blocks}", gemv, x, h, expected, bound, launches)
     return results
 
 
 def timings(replays: int = 20) -> list[dict]:
     """us a call of the product's GEMV (its default plan) and of each setting, back-to-back PDL
     launches in a CUDA graph with the weights rotated through twice the L2 (harness.time_calls)."""
-    from harness import LINEARS_7B, time_calls
+    from harness import LINEARS_7B, residual_gemv_timings
     from pynanoqwen.device import sm_count
-    from pynanoqwen.gpu_timing import copy_bandwidth
-    from pynanoqwen.kernels.gemv_int4 import gemv_bytes, make_gemv_int4
 
-    copy = copy_bandwidth()
-    rows = []
-    for name, settings in SETTINGS.items():
-        n, k = LINEARS_7B[name]
-        nbytes = gemv_bytes(n, k)
+    def variants(name):
+        return {label(setting): lambda n, k, qweight, scales, setting=setting: BulkRingGemv(
+            n, k, qweight, scales, sm_count(), setting).launch for setting in SETTINGS[name]}
 
-        def product(weights, n=n, k=k):
-            gemv = make_gemv_int4(n, k, *weights[0])
-            return lambda stream, x, out: gemv.launch(stream, x.reshape(k), out.reshape(n), residual=True)
-
-        forms = {"product": product}
-        for setting in settings:
-            def ring(weights, n=n, k=k, setting=setting):
-                return BulkRingGemv(n, k, *weights[0], sm_count(), setting).launch
-            forms[label(setting)] = ring
-        for form, build_call in forms.items():
-            us = time_calls(build_call, n, k, 1, replays=replays)
-            rows.append({"linear": name, "form": form, "us a call": us, "GB/s": nbytes / us / 1e3,
-                         "share of copy": f"{100 * nbytes / (us * 1e-6) / copy:.0f}%"})
-    return rows
+    return residual_gemv_timings({name: LINEARS_7B[name] for name in SETTINGS}, variants, replays)
 
 
 def compile_targets():

@@ -179,6 +179,48 @@ def time_calls(build, n: int, k: int, m: int, out_dtype=np.float32, matrices: in
     return 1e6 * seconds / count
 
 
+def residual_gemv_checks(title: str, gemv, x: np.ndarray, h: np.ndarray, expected: np.ndarray, bound: np.ndarray,
+                         launches: int) -> list:
+    """A residual GEMV variant's checks: `launches` runs of gemv.launch(stream, x, h_device) from the same
+    float32 h, the first against expected (float64) within bound, and all of them bit for bit alike."""
+    from pynanoqwen.oracles import bound_report, passed
+
+    outs = []
+    for _ in range(launches):
+        h_device = cuda.to_device(h)
+        gemv.launch(0, cuda.to_device(x), h_device)
+        outs.append(h_device.copy_to_host())
+    results = [bound_report(title, np.abs(outs[0].astype(np.float64) - expected), bound)]
+    if launches > 1:
+        results.append(passed(f"{title}: {launches} runs", all(np.array_equal(o, outs[0]) for o in outs),
+                              "bit-identical"))
+    return results
+
+
+def residual_gemv_timings(shapes: dict, variants, replays: int) -> list[dict]:
+    """us a call, GB/s and share of copy of the product's residual GEMV (its default plan) and of a
+    variant's forms at each shape {name: (n, k)}: variants(name) gives {label: make}, make(n, k,
+    qweight, scales) a launch(stream, x, out); back-to-back PDL launches in a CUDA graph, weights
+    rotated through twice the L2 (time_calls)."""
+    from pynanoqwen.gpu_timing import copy_bandwidth
+    from pynanoqwen.kernels.gemv_int4 import gemv_bytes, make_gemv_int4
+
+    copy = copy_bandwidth()
+    rows = []
+    for name, (n, k) in shapes.items():
+        nbytes = gemv_bytes(n, k)
+
+        def product(n, k, qweight, scales):
+            gemv = make_gemv_int4(n, k, qweight, scales)
+            return lambda stream, x, out: gemv.launch(stream, x.reshape(k), out.reshape(n), residual=True)
+
+        for form, make in {"product": product, **variants(name)}.items():
+            us = time_calls(lambda weights, make=make, n=n, k=k: make(n, k, *weights[0]), n, k, 1, replays=replays)
+            rows.append({"linear": name, "form": form, "us a call": us, "GB/s": nbytes / us / 1e3,
+                         "share of copy": f"{100 * nbytes / (us * 1e-6) / copy:.0f}%"})
+    return rows
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     print("| " + " | ".join(rows[0]) + " |")

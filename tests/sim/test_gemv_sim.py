@@ -307,3 +307,20 @@ def test_bulk_ring_gemv_variant_matches_float64():
     results = check(np.random.default_rng(), shapes={"tiny": (10, 512)}, grid=3, settings={"tiny": settings},
                     launches=2)
     assert len(results) == 6 and all(r.status == "PASS" for r in results), [r.line() for r in results]
+
+
+def test_mma_gemv_variant_matches_float64():
+    """dev/gemv_mma.py (the GEMV on mma.sync, the offsets taken off per group) at N 32, K 512: two
+    tiles of four groups. One warp walks both tiles with 4 items in flight (its pipeline crosses
+    the tile boundary); 3 warps of one block take runs of 2, 3 and 3 items, so the middle warp
+    holds a partial of both tiles (its slots 0 and 1) and each tile is merged by the last of its
+    two warps to count in; 2 blocks of 2 warps split each tile between two warps of one block; and the 3 warps again on
+    the weights repacked in item order (blocked_layout)."""
+    from gemv_mma import Setting, check
+
+    cases = [(1, Setting(1, 1, 4)), (1, Setting(3, 1, 2)), (2, Setting(2, 1, 3)), (1, Setting(3, 1, 2, True))]
+    results = []
+    for grid, setting in cases:
+        results += check(np.random.default_rng(), shapes={"tiny": (32, 512)}, grid=grid, settings=[setting],
+                         launches=2)
+    assert len(results) == 8 and all(r.status == "PASS" for r in results), [r.line() for r in results]
