@@ -2,6 +2,7 @@
 back-to-back programmatic launches and as plain launches, on the GPU.
 
     python dev/gemv_plans.py [--shapes qkv,o_proj] [--hot] [--json out.json]
+    python dev/gemv_plans.py --epilogues
 
 Each call reads a different copy of the weights (enough copies to exceed the L2 twice), so every
 call streams from HBM, as one decode step does layer after layer; with --hot every call reads the
@@ -94,11 +95,22 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--hot", action="store_true", help="every call reads the same weights (from L2 if they fit)")
+    parser.add_argument("--epilogues", action="store_true",
+                        help="instead: o_proj, down and lm_head at their default plan with float16 x stored, float16 x "
+                             "added into a residual, and a fused RMSNorm of float32 h stored (what staging and epilogue cost)")
     args = parser.parse_args()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     stream = cuda.stream()
+    if args.epilogues:
+        for name, n, k, _ in SHAPES:
+            if name in ("o_proj", "down", "lm_head"):
+                for epilogue in ("store", "residual", "norm"):
+                    row = time_plan(name, n, k, epilogue, default_plan(n, k), rng, stream, args.hot)
+                    print(f"{name:8s} {epilogue:8s} PDL {row['us']:7.2f} us "
+                          f"{100 * row['bytes'] / (row['us'] * 1e-6) / copy:5.1f}% of copy", flush=True)
+        return
     rows = []
     for name, n, k, epilogue in SHAPES:
         if name not in args.shapes.split(","):

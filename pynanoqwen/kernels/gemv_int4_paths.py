@@ -13,7 +13,9 @@ activations in shared memory first, with or without a fused RMSNorm.
   the INT8 rounding of x (|x - q s| <= s/2, s = max|x| / 127 over the group).
 
 Activations live in shared memory, staged once per block with every copy in flight at once
-(cp.async; with a fused norm, all of h's loads first): one L2 round trip. prmt path: chunk c's 16 half2 words sit
+(prmt: each thread loads all of its pieces of x, or of h and the norm weight, into registers,
+then stores them; dp4a: cp.async copies, not re-measured since prmt dropped them): one L2 round
+trip. prmt path: chunk c's 16 half2 words sit
 at xs[20 c .. 20 c + 15] (64 bytes used of 80), read as four `ld.shared.v4`: a quarter-warp's 8
 lanes read 8 chunks 80 bytes apart, which fall in 8 disjoint groups of 4 banks (no conflict; a
 64-byte stride would put 4 lanes on one bank group). dp4a path: the quantizer writes the INT8
@@ -87,29 +89,37 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
     quads = U(k // 8)  # 16-byte pieces of x: quad q = half2 words 4q .. 4q+3 = words 4(q%4).. of chunk q//4
     warps = threads // 32
 
+    quads_per_thread = -(-(k // 8) // threads)
+    values_per_thread, weight_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
+
     @cuda.jit(device=True, inline="always")
     def quad_slot(q):
         return U(CHUNK_STRIDE) * (q // U(4)) + U(4) * (q % U(4))
 
     @cuda.jit(device=True, inline="always")
     def stage_x(activations, xs):
-        # cp.async, all copies of this thread in flight together: the block waits one L2 round
-        # trip for x, not one per loop iteration (a load-then-store loop staged the 37 KiB x of
-        # down_proj in ~10 us on the H200).
+        # Each thread loads all of its quads of x into registers first (one L2 round trip for the
+        # block), then stores them. The cp.async copy this replaced cost the whole kernel 20%
+        # (down_proj 17.3 against 13.9 us, o_proj 5.8 against 4.7, lm_head-sized 112 against 78;
+        # why is not profiled): docs/PERFORMANCE.md, 2026-12-02 morning.
         x_pairs = activations[0]
-        q = U(cuda.threadIdx.x)
-        while q < quads:
-            cp_async_16(xs, quad_slot(q), x_pairs, U(4) * q, U(16))
-            q += U(threads)
-        cp_async_commit_group()
-        cp_async_wait_group(0)
+        t = U(cuda.threadIdx.x)
+        pairs = cuda.local.array(weight_words_per_thread, uint32)
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                for e in range(4):
+                    pairs[4 * j + e] = x_pairs[U(4) * q + U(e)]
+        for j in range(quads_per_thread):
+            q = t + U(j * threads)
+            if q < quads:
+                at = quad_slot(q)
+                for e in range(4):
+                    xs[at + U(e)] = pairs[4 * j + e]
         cuda.syncthreads()
 
     inv_k = np.float32(1.0 / k)
     eps = np.float32(0.0 if norm_eps is None else norm_eps)
-
-    quads_per_thread = -(-(k // 8) // threads)
-    values_per_thread, weight_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
 
     @cuda.jit(device=True, inline="always")
     def stage_normed(activations, xs):
