@@ -308,6 +308,17 @@ def test_a_405_says_which_methods_are_allowed(http):
         assert {m.strip() for m in answer.headers["allow"].split(",")} == allowed
 
 
+def test_a_stray_trailing_slash_is_a_json_404_naming_the_path(http):
+    """Starlette answered /v1/completions/ with a 307 and an empty body, which a client may not
+    follow for a POST; now a JSON 404 whose message names the path without the slash."""
+    for method, path in (("POST", "/v1/completions/"), ("GET", "/health/"), ("POST", "/infill/")):
+        answer = http.request(method, path, follow_redirects=False, json={})
+        assert answer.status_code == 404, (path, answer.status_code)
+        assert f"did you mean {path.rstrip('/')}?" in answer.json()["error"]["message"]
+    answer = http.get("/nowhere/")
+    assert answer.status_code == 404 and "did you mean" not in answer.json()["error"]["message"]
+
+
 def test_the_api_key():
     backend, model = embedded()
     with serving(backend, model, api_key="sesame") as url, httpx.Client(base_url=url) as http:

@@ -241,7 +241,9 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
 
     async def http_error(request: Request, err: HTTPException):
         # err.headers carries a 405's Allow, which HTTP requires with it (RFC 9110, 15.5.6).
-        return error_response(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
+        path = request.url.path
+        hint = f" (did you mean {path.rstrip('/')}?)" if err.status_code == 404 and path.rstrip("/") in known else ""
+        return error_response(ApiError(err.status_code, f"{request.method} {path}: {err.detail}{hint}",
                                        code="not_found" if err.status_code == 404 else None, headers=err.headers))
 
     async def server_error(request: Request, err: Exception):
@@ -259,7 +261,10 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
         yield
         scheduler.stop()
 
+    known = tuple(ENDPOINTS) + ("/v1/models", "/health", "/metrics", "/openapi.json")
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error})
-    known = tuple(ENDPOINTS) + ("/v1/models", "/health", "/metrics", "/openapi.json")
+    # Starlette answers a path with a stray trailing slash with an empty-bodied 307 to the path
+    # without it, which a client may not follow for a POST: a JSON 404 that names the path instead.
+    app.router.redirect_slashes = False
     return Gate(app, api_key, metrics, known)
