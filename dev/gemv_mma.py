@@ -63,8 +63,7 @@ from pynanoqwen.ptx import SIMULATOR  # noqa: E402
 from pynanoqwen.ptx.griddep import grid_dependency_wait, launch_dependents  # noqa: E402
 from pynanoqwen.ptx.half2 import half2_to_float2  # noqa: E402
 from pynanoqwen.ptx.loads import ld_global_cg_f32, ld_global_nc_v4_u32  # noqa: E402
-from pynanoqwen.ptx.mma import (SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group,  # noqa: E402
-                                ld_shared_v4_u32, mma_m16n8k16)
+from pynanoqwen.ptx.mma import SHARED_ALIGNMENT, ld_shared_v4_u32, mma_m16n8k16  # noqa: E402
 from pynanoqwen.ptx.prmt import prmt  # noqa: E402
 from pynanoqwen.ptx.warp import shfl_xor, syncwarp  # noqa: E402
 
@@ -112,6 +111,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
     words_per_row = U(k // 8)
     quads = U(k // 8)
     rounds = -(-(k // 8) // threads)
+    staged_words = 4 * rounds  # a thread's quads of x, held in registers while staging
     sixteenth = np.float32(1 / 16)
     shared_words, group_count = CHUNK_STRIDE * (k // 32), k // GROUP_SIZE
 
@@ -209,24 +209,28 @@ def build(n: int, k: int, grid: int, setting: Setting):
 
     @cuda.jit(device=True, inline="always")
     def stage(x_pairs, xs, cs):
-        """x into shared memory (the product's padded chunk layout), then C_G of every group."""
+        """x into shared memory (the product's padded chunk layout) and C_G of every group: each
+        thread loads all of its quads into registers first (one L2 round trip; cp.async staging
+        cost the product's GEMV 20-30%, docs/PERFORMANCE.md), then stores them and sums its
+        quads' part of C_G, which the 16 threads of a group add with shuffles."""
         tid = U(cuda.threadIdx.x)
-        q = tid
-        while q < quads:
-            cp_async_16(xs, U(U(CHUNK_STRIDE) * U(q // U(4))) + U(U(4) * U(q % U(4))), x_pairs, U(U(4) * q), U(16))
-            q = U(q + U(threads))
-        cp_async_commit_group()
-        cp_async_wait_group(0)
-        cuda.syncthreads()
+        pairs = cuda.local.array(staged_words, uint32)
+        for r in range(rounds):
+            q = U(tid + U(r * threads))
+            if q < quads:
+                for e in range(4):
+                    pairs[4 * r + e] = x_pairs[U(U(U(4) * q) + U(e))]
         for r in range(rounds):
             q = U(tid + U(r * threads))
             part = float32(0)
             if q < quads:
-                p0, p1, p2, p3 = ld_shared_v4_u32(xs, U(U(U(CHUNK_STRIDE) * U(q // U(4))) + U(U(4) * U(q % U(4)))))
-                a0, b0 = half2_to_float2(p0)
-                a1, b1 = half2_to_float2(p1)
-                a2, b2 = half2_to_float2(p2)
-                a3, b3 = half2_to_float2(p3)
+                at = U(U(U(CHUNK_STRIDE) * U(q // U(4))) + U(U(4) * U(q % U(4))))
+                for e in range(4):
+                    xs[U(at + U(e))] = pairs[4 * r + e]
+                a0, b0 = half2_to_float2(pairs[4 * r])
+                a1, b1 = half2_to_float2(pairs[4 * r + 1])
+                a2, b2 = half2_to_float2(pairs[4 * r + 2])
+                a3, b3 = half2_to_float2(pairs[4 * r + 3])
                 part = float32(LOW_OFFSET) * ((a0 + b0) + (a2 + b2)) + float32(HIGH_OFFSET) * ((a1 + b1) + (a3 + b3))
             part += shfl_xor(part, U(8))
             part += shfl_xor(part, U(4))
