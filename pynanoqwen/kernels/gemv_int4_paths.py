@@ -90,7 +90,7 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
     warps = threads // 32
 
     quads_per_thread = -(-(k // 8) // threads)
-    values_per_thread, weight_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
+    values_per_thread, quad_words_per_thread = 8 * quads_per_thread, 4 * quads_per_thread
 
     @cuda.jit(device=True, inline="always")
     def quad_slot(q):
@@ -104,7 +104,7 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
         # why is not profiled): docs/PERFORMANCE.md, 2026-12-02 morning.
         x_pairs = activations[0]
         t = U(cuda.threadIdx.x)
-        pairs = cuda.local.array(weight_words_per_thread, uint32)
+        pairs = cuda.local.array(quad_words_per_thread, uint32)
         for j in range(quads_per_thread):
             q = t + U(j * threads)
             if q < quads:
@@ -131,7 +131,7 @@ def _prmt_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -
         warp_totals = cuda.shared.array(32, float32)
         t = U(cuda.threadIdx.x)
         values = cuda.local.array(values_per_thread, float32)
-        weights = cuda.local.array(weight_words_per_thread, uint32)
+        weights = cuda.local.array(quad_words_per_thread, uint32)
         for j in range(quads_per_thread):
             q = t + U(j * threads)
             if q < quads:
