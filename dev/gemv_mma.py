@@ -15,8 +15,9 @@ tensor core:
   each of its two rows. Per word pair (rows g, g + 8) two mmas: one over the low-nibble pairs
   (w0, w1), (w4, w5), one over the high-nibble pairs (w2, w3), (w6, w7).
 - B (16 x 8) is x, the same in all 8 columns: lane (g, t) needs x of its own chunk only, 64 bytes
-  from shared memory. (With 8 different tokens in the columns this is the verify pass of
-  prompt lookup at no extra cost: docs/SPECULATIVE.md.)
+  from shared memory. (The same instructions would compute 8 different tokens in the 8 columns,
+  each column's sums independent of the others: a candidate for prompt lookup's verify pass,
+  docs/SPECULATIVE.md; not built.)
 - The offsets come off once per group and row: sum_k w_k x_k = D_lo + D_hi / 16 - C_G, where
   C_G = 1032 sum of x over the group's low positions + 72 sum over its high positions, computed
   once per block while x is staged. Then acc += scale (D_lo + D_hi / 16 - C_G) in FP32.
@@ -39,7 +40,8 @@ whose runs are a few items a warp with the split-tile merge in every warp's tail
 long ones only with the weights repacked in item order (`blocked_layout`), which the file and the
 prefill GEMM do not use. It has only the residual epilogue (out += W x): no fused RMSNorm, RoPE or
 gate/up, and no engine path. Run `python dev/gemv_mma.py` for its float64 checks and its timing
-against the product; figures are in docs/PERFORMANCE.md (2026-12-02 morning).
+against the product; figures are in docs/PERFORMANCE.md (2026-12-02 morning), taken before the
+product's own x staging got 20-30% faster, which widened the gap on the short shapes.
 """
 
 from __future__ import annotations
