@@ -111,7 +111,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
     items = U(int(tiles) * int(groups))
     total_warps = U(grid * warps)
     words_per_row = U(k // 8)
-    quads = U(k // 8)
+    quads = words_per_row  # 16-byte pieces of x: as many as a row has words
     rounds = -(-(k // 8) // threads)
     staged_words = 4 * rounds  # a thread's quads of x, held in registers while staging
     sixteenth = np.float32(1 / 16)
@@ -140,7 +140,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
                 row = U(U(tile * U(ROWS)) + g)
                 at = U(U(row * words_per_row) + U(U(U(16) * group) + U(U(4) * t)))
                 words[0], words[1], words[2], words[3] = ld_global_nc_v4_u32(q, at)
-                words[4], words[5], words[6], words[7] = ld_global_nc_v4_u32(q, U(at + U(8 * (k // 8))))
+                words[4], words[5], words[6], words[7] = ld_global_nc_v4_u32(q, U(at + U(U(8) * words_per_row)))
                 scl[0] = s[U(U(row * groups) + group)]
                 scl[1] = s[U(U(U(row + U(8)) * groups) + group)]
 
@@ -360,21 +360,20 @@ def mma_bound(qweight, scales, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the two FP32 operations after the mmas 3 u32 M_G. Then acc adds scale * group over K/128 groups
     and at most 2 warp partials: (K/128 + 8) u32 sum_G |s_G| |group_G| <= (K/128 + 8) u32 |W| |x|.
     """
-    from pynanoqwen.oracles import U32, gemv_oracle
-    from pynanoqwen.quant import SLOT_TO_WEIGHT
+    from pynanoqwen.oracles import U32
+    from pynanoqwen.quant import dequantize_int4, unpack_valueshuffle
 
     n, k = qweight.shape[0], qweight.shape[1] * 8
-    expected, _ = gemv_oracle(qweight, scales, x, "prmt")
-    nibbles = np.empty((n, k // 8, 8), np.float64)
-    for slot, weight in enumerate(SLOT_TO_WEIGHT):
-        nibbles[:, :, weight] = (qweight >> np.uint32(4 * slot)) & np.uint32(15)
-    high = np.array([0, 0, 1, 1, 0, 0, 1, 1], bool)  # pairs (w2, w3) and (w6, w7): 1024 + 16 u, then / 16
-    a = np.where(high, 64 + nibbles, 1024 + nibbles).reshape(n, k)
-    x64 = np.abs(x.astype(np.float64))
-    group_magnitude = (a * x64).reshape(n, k // GROUP_SIZE, GROUP_SIZE).sum(axis=2)  # M_G per row
+    x64 = x.astype(np.float64)
+    w = dequantize_int4(qweight, scales, np.float64)
+    expected = w @ x64
+    nibbles = unpack_valueshuffle(qweight).astype(np.float64)
+    high = np.tile([False, False, True, True], k // 4)  # pairs (w2, w3), (w6, w7): 1024 + 16 u, then / 16
+    a = np.where(high, 64 + nibbles, 1024 + nibbles)
+    group_magnitude = (a * np.abs(x64)).reshape(n, k // GROUP_SIZE, GROUP_SIZE).sum(axis=2)  # M_G per row
     s = np.abs(scales.astype(np.float64))
-    w = np.abs((nibbles.reshape(n, k) - 8) * np.repeat(s, GROUP_SIZE, axis=1))
-    bound = (37 * 5 + 128 + 3) * U32 * (s * group_magnitude).sum(axis=1) + (k // GROUP_SIZE + 8) * U32 * (w @ x64)
+    bound = (37 * 5 + 128 + 3) * U32 * (s * group_magnitude).sum(axis=1) \
+        + (k // GROUP_SIZE + 8) * U32 * (np.abs(w) @ np.abs(x64))
     return expected, bound
 
 

@@ -205,15 +205,14 @@ def residual_gemv_timings(shapes: dict, variants, replays: int) -> list[dict]:
     from pynanoqwen.gpu_timing import copy_bandwidth
     from pynanoqwen.kernels.gemv_int4 import gemv_bytes, make_gemv_int4
 
+    def product(n, k, qweight, scales):
+        gemv = make_gemv_int4(n, k, qweight, scales)
+        return lambda stream, x, out: gemv.launch(stream, x.reshape(k), out.reshape(n), residual=True)
+
     copy = copy_bandwidth()
     rows = []
     for name, (n, k) in shapes.items():
         nbytes = gemv_bytes(n, k)
-
-        def product(n, k, qweight, scales):
-            gemv = make_gemv_int4(n, k, qweight, scales)
-            return lambda stream, x, out: gemv.launch(stream, x.reshape(k), out.reshape(n), residual=True)
-
         for form, make in {"product": product, **variants(name)}.items():
             us = time_calls(lambda weights, make=make, n=n, k=k: make(n, k, *weights[0]), n, k, 1, replays=replays)
             rows.append({"linear": name, "form": form, "us a call": us, "GB/s": nbytes / us / 1e3,
