@@ -168,8 +168,8 @@ EDITS = [
      + E16 + "    store_to_leader(floats, C_MAX + rank * GROUP + row, merged_max)\n"
      + E16 + "    store_to_leader(floats, C_SUM + rank * GROUP + row, total)\n"),
     # the cluster's own region of shared memory, past the product's layout
-    ("    S_MAX, S_SUM = layout[\"split_max\"], layout[\"split_sum\"]\n",
-     "    S_MAX, S_SUM = layout[\"split_max\"], layout[\"split_sum\"]\n"
+    ("    P_ACC, P_MAX, P_SUM = layout[\"partial_acc\"], layout[\"partial_max\"], layout[\"partial_sum\"]\n",
+     "    P_ACC, P_MAX, P_SUM = layout[\"partial_acc\"], layout[\"partial_max\"], layout[\"partial_sum\"]\n"
      "    C_ACC = layout[\"bytes\"] // 4  # the leader's slots: CLUSTER partials of GROUP heads\n"
      "    C_MAX = C_ACC + CLUSTER * GROUP * head_dim\n"
      "    C_SUM = C_MAX + CLUSTER * GROUP\n"

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import edited_kernel_source, load_source  # noqa: E402
 
 PHASES = ["entry", "barriers set", "pos read", "early copies issued", "wait returned", "q read", "first page here",
-          "pages done", "partials met", "partials stored+fenced", "counted in", "split weights read",
-          "split weights made", "end"]
+          "pages done", "partials met", "partials stored+fenced", "counted in", "merge began",
+          "thread 0 merged", "end"]
 E8, E12, E16 = " " * 8, " " * 12, " " * 16
 # (text of the product kernel, the text that replaces it): each must occur exactly once.
 EDITS = [
@@ -64,15 +64,13 @@ EDITS = [
      + E12 + "st[blk, 10] = gtimer() + last_block[0] * 0\n"),
     (E8 + "if last_block[0] == 0:\n" + E12 + "return\n",
      E8 + "if last_block[0] == 0:\n" + E12 + "if tid == 0:\n" + E16 + "st[blk, 13] = gtimer()\n" + E12 + "return\n"),
-    (E12 + "floats[S_SUM + row * num_splits + sp] = ld_global_cg_f32(part_sum, slot)\n" + E8 + "cuda.syncthreads()\n",
-     E12 + "floats[S_SUM + row * num_splits + sp] = ld_global_cg_f32(part_sum, slot)\n" + E8 + "cuda.syncthreads()\n"
-     + E8 + "if tid == 0:\n" + E12 + "st[blk, 11] = gtimer()\n"),
-    (E8 + "cuda.syncthreads()\n" + E8 + "values = cuda.local.array(",
-     E8 + "cuda.syncthreads()\n" + E8 + "if tid == 0:\n" + E12 + "st[blk, 12] = gtimer()\n"
-     + E8 + "values = cuda.local.array("),
-    (E16 + "out[head * head_dim + 4 * quad + e] = merged[e]\n",
-     E16 + "out[head * head_dim + 4 * quad + e] = merged[e]\n" + E8 + "cuda.syncthreads()\n"
-     + E8 + "if tid == 0:\n" + E12 + "st[blk, 13] = gtimer()\n"),
+    (E8 + "cuda.threadfence()\n" + E8 + "if tid == 0:\n" + E12 + "arrivals[kv_head] = 0",
+     E8 + "cuda.threadfence()\n" + E8 + "if tid == 0:\n" + E12 + "st[blk, 11] = gtimer()\n"
+     + E12 + "arrivals[kv_head] = 0"),
+    (E16 + "out[head * head_dim + OCTET * octet + e] = merged[e] * inverse\n",
+     E16 + "out[head * head_dim + OCTET * octet + e] = merged[e] * inverse\n" + E8 + "if tid == 0:\n"
+     + E12 + "st[blk, 12] = gtimer()\n" + E8 + "cuda.syncthreads()\n" + E8 + "if tid == 0:\n"
+     + E12 + "st[blk, 13] = gtimer()\n"),
 ]
 
 

@@ -44,16 +44,16 @@ Inside a block (warp specialisation):
   head for its split.
 Merge across splits. Each block increments a per-KV-head counter; the block that arrives last
 (threadfence / atomic / threadfence, as in CUDA's threadFenceReduction sample) combines the
-partials of the splits that had pages (their loads 16 bytes wide, MERGE_UNROLL splits in flight
-at once, through L2 with `ld.global.cg`: other blocks wrote them), writes attn and resets the
-counter for the next launch. Programmatic dependent launch (ptx/griddep.py): the barriers, pos,
+partials of the splits that had pages in one pass, an online softmax across splits: each thread
+owns 8 dims of a head and loads MERGE_UNROLL splits' (max, sum, dims) at once, through L2 with
+`ld.global.cg` (other blocks wrote them), so a short context's merge is one round trip. It writes
+attn and resets the counter for the next launch. Programmatic dependent launch (ptx/griddep.py): the barriers, pos,
 the page table and the copies of the split's first ring of pages go out before grid_dependency_wait
 (all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the page holding pos,
 whose row the QKV GEMV writes, wait.
 
 Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (128 KiB at 16 stages, head_dim 128), the
-consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B) and the merge's
-weights (2 x group x num_splits floats): ~144 KiB.
+consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B): ~143 KiB.
 
 Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
 DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
@@ -63,7 +63,8 @@ rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive throug
 of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
 Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch ~8.7 us, more
-than half of it the cross-block merge (fence, atomic, and its L2 round trips of ~1 us each). The
+than half of it the cross-block merge (fence, atomic, and its L2 round trips of ~1 us each; the
+two-pass merge before this one paid two of them and two block barriers). The
 dev variants bound both: conflict-free pages (dev/attention_swizzled_ring.py) gain 0.5 us at 512
 tokens and 1.1 us at 4096 but lose 12 us at 32000 (per-thread copies keep fewer pages in flight);
 merging in a cluster (dev/attention_cluster_merge.py) saves 2 us at 16 tokens and costs more from
@@ -88,7 +89,7 @@ from ..ptx.loads import ld_global_cg_f32, ld_global_cg_v4_f32
 from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
-from ..ptx.warp import shfl_xor, syncwarp, warp_max, warp_sum
+from ..ptx.warp import shfl_xor, syncwarp
 from . import PAGE_SIZE, CompileTarget
 
 CONSUMERS = 4  # consumer warps per block
@@ -96,7 +97,10 @@ CONSUMERS = 4  # consumer warps per block
 # the same to 0.1 us from 16 to 4096 (docs/PERFORMANCE.md).
 STAGES = 16
 MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
-MERGE_UNROLL = 8  # split partials whose loads the merge keeps in flight together
+# Split partials whose loads the merge keeps in flight together: 12 covers the 9 active splits of a
+# 512-token context (4 pages a split) in one round trip, at 10 floats a split a thread.
+MERGE_UNROLL = 12
+OCTET = 8  # dims of a head one merging thread owns: two 16-byte loads a split
 MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen2.5: 5..8)
 U = np.uint32
 
@@ -131,16 +135,14 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
                            min_pages_per_split)
 
 
-def shared_layout(group: int, head_dim: int, num_splits: int, stages: int, consumers: int) -> dict[str, int]:
+def shared_layout(group: int, head_dim: int, stages: int, consumers: int) -> dict[str, int]:
     """Word offsets of the dynamic shared memory's parts, and its size in bytes ("bytes")."""
     page_words = PAGE_SIZE * head_dim // 2
     ring = stages * page_words
     layout = {"k_ring": 0, "v_ring": ring, "partial_acc": 2 * ring}
     layout["partial_max"] = layout["partial_acc"] + consumers * group * head_dim
     layout["partial_sum"] = layout["partial_max"] + consumers * group
-    layout["split_max"] = layout["partial_sum"] + consumers * group
-    layout["split_sum"] = layout["split_max"] + group * num_splits
-    layout["bytes"] = 4 * (layout["split_sum"] + group * num_splits)
+    layout["bytes"] = 4 * (layout["partial_sum"] + consumers * group)
     return layout
 
 
@@ -155,12 +157,11 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
     PAGE_BYTES = 4 * PAGE_WORDS  # one (page, kv head) K or V tile: 4 KiB at head_dim 128
     DIM_STEPS = head_dim // 16  # k steps of Q K^T
     DIM_NTILES = head_dim // 8  # n tiles of O
-    DIM_QUADS = head_dim // 4
+    DIM_OCTETS = head_dim // OCTET  # the merge's work items a head
     Q_WORDS, O_FLOATS = 2 * DIM_STEPS, 2 * DIM_NTILES  # per lane: Q's A fragments (row gid), O's row gid
-    layout = shared_layout(GROUP, head_dim, num_splits, stages, consumers)
+    layout = shared_layout(GROUP, head_dim, stages, consumers)
     K_RING, V_RING = layout["k_ring"], layout["v_ring"]
     P_ACC, P_MAX, P_SUM = layout["partial_acc"], layout["partial_max"], layout["partial_sum"]
-    S_MAX, S_SUM = layout["split_max"], layout["split_sum"]
     Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(head_dim))
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)
@@ -375,47 +376,50 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         if tid == 0:
             arrivals[kv_head] = 0  # every block of this launch has counted; ready for the next
 
+        # One pass over the active splits: each thread owns OCTET dims of one head and, per batch of
+        # MERGE_UNROLL splits, issues every load of the batch (max, sum and its dims of the partial)
+        # at once, then folds the batch into a running (max, sum, acc) with the online softmax's
+        # rescaling. One L2 round trip a batch; the two-pass merge it replaces (maxima and sums to
+        # shared memory, the splits' weights, then the partials) paid two and two block barriers.
         active = (pages_used + pages_per_split - 1) // pages_per_split
-        for o in range(tid, GROUP * active, THREADS):
-            row, sp = o // active, o % active
-            slot = (kv_head * GROUP + row) * num_splits + sp
-            floats[S_MAX + row * num_splits + sp] = ld_global_cg_f32(part_max, slot)
-            floats[S_SUM + row * num_splits + sp] = ld_global_cg_f32(part_sum, slot)
-        cuda.syncthreads()
-        # Each split's weight in the merged softmax, with the normaliser folded in (a warp a head).
-        for row in range(warp, GROUP, WARPS):
-            merged_max = NEG_INF
-            for sp in range(lane, active, 32):
-                merged_max = max(merged_max, floats[S_MAX + row * num_splits + sp])
-            merged_max = warp_max(merged_max)
-            total = ZERO
-            for sp in range(lane, active, 32):
-                total += floats[S_SUM + row * num_splits + sp] * math.exp2(floats[S_MAX + row * num_splits + sp]
-                                                                           - merged_max)
-            inverse = np.float32(1.0) / warp_sum(total)
-            for sp in range(lane, active, 32):
-                at = S_MAX + row * num_splits + sp
-                floats[at] = math.exp2(floats[at] - merged_max) * inverse
-        cuda.syncthreads()
-        values = cuda.local.array((MERGE_UNROLL, 4), types.float32)
-        weights = cuda.local.array(MERGE_UNROLL, types.float32)
-        for o in range(tid, GROUP * DIM_QUADS, THREADS):
-            row, quad = o // DIM_QUADS, o % DIM_QUADS
+        maxes = cuda.local.array(MERGE_UNROLL, types.float32)
+        sums = cuda.local.array(MERGE_UNROLL, types.float32)
+        values = cuda.local.array((MERGE_UNROLL, OCTET), types.float32)
+        merged = cuda.local.array(OCTET, types.float32)
+        for o in range(tid, GROUP * DIM_OCTETS, THREADS):
+            row, octet = o // DIM_OCTETS, o % DIM_OCTETS
             head = kv_head * GROUP + row
-            merged = cuda.local.array(4, types.float32)
-            for e in range(4):
+            for e in range(OCTET):
                 merged[e] = ZERO
+            merged_max, merged_sum = NEG_INF, ZERO
             for first in range(0, active, MERGE_UNROLL):
-                for u in range(MERGE_UNROLL):  # all loads first: MERGE_UNROLL round trips at once
-                    sp = min(first + u, active - 1)  # past the end: re-read the last split, weight 0
-                    weights[u] = floats[S_MAX + row * num_splits + sp] if first + u < active else ZERO
-                    values[u, 0], values[u, 1], values[u, 2], values[u, 3] = ld_global_cg_v4_f32(
-                        part_acc, (head * num_splits + sp) * head_dim + 4 * quad)
                 for u in range(MERGE_UNROLL):
-                    for e in range(4):
-                        merged[e] += values[u, e] * weights[u]
-            for e in range(4):
-                out[head * head_dim + 4 * quad + e] = merged[e]
+                    sp = min(first + u, active - 1)  # past the end: re-read the last split, weight 0
+                    slot = head * num_splits + sp
+                    maxes[u] = ld_global_cg_f32(part_max, slot)
+                    sums[u] = ld_global_cg_f32(part_sum, slot)
+                    for half in range(2):
+                        at = slot * head_dim + OCTET * octet + 4 * half
+                        (values[u, 4 * half], values[u, 4 * half + 1], values[u, 4 * half + 2],
+                         values[u, 4 * half + 3]) = ld_global_cg_v4_f32(part_acc, at)
+                batch_max = merged_max
+                for u in range(MERGE_UNROLL):
+                    if first + u < active:
+                        batch_max = max(batch_max, maxes[u])
+                # An active split's max is finite (it had a key in the context), so batch_max is too.
+                correction = math.exp2(merged_max - batch_max)  # 0 on the first batch (-inf)
+                merged_max = batch_max
+                merged_sum *= correction
+                for e in range(OCTET):
+                    merged[e] *= correction
+                for u in range(MERGE_UNROLL):
+                    weight = math.exp2(maxes[u] - batch_max) if first + u < active else ZERO
+                    merged_sum += sums[u] * weight
+                    for e in range(OCTET):
+                        merged[e] += values[u, e] * weight
+            inverse = np.float32(1.0) / merged_sum
+            for e in range(OCTET):
+                out[head * head_dim + OCTET * octet + e] = merged[e] * inverse
 
     return decode_attention
 
@@ -431,7 +435,7 @@ class DecodeAttention:
                                     min_pages_per_split)
         self.grid = (num_kv_heads, num_splits)
         self.block = 32 * (consumers + 1)
-        self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, num_splits, stages,
+        self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, stages,
                                           consumers)["bytes"]
         self.part_max = cuda.device_array(num_heads * num_splits, np.float32)
         self.part_sum = cuda.device_array(num_heads * num_splits, np.float32)
