@@ -62,9 +62,10 @@ issues 16 ldmatrix.x4, 64 mma (hi and lo halves), ~60 softmax instructions and 3
 rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
 of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
-Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch ~8.7 us, more
-than half of it the cross-block merge (fence, atomic, and its L2 round trips of ~1 us each; the
-two-pass merge before this one paid two of them and two block barriers). The
+Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch 7.1 us at 16
+tokens (7.9 at 512), of which the cross-block merge is still the largest part: from the consumers'
+partials meeting to attn written, 4.1 us, 2.0 of them the stores and fence of the split's partial
+(the two-pass merge before this one took 8.6 us a launch at 16 tokens). The
 dev variants bound both: conflict-free pages (dev/attention_swizzled_ring.py) gain 0.5 us at 512
 tokens and 1.1 us at 4096 but lose 12 us at 32000 (per-thread copies keep fewer pages in flight);
 merging in a cluster (dev/attention_cluster_merge.py) saves 2 us at 16 tokens and costs more from
