@@ -47,10 +47,10 @@ Merge across splits. Each block increments a per-KV-head counter; the block that
 partials of the splits that had pages in one pass, an online softmax across splits: each thread
 owns 8 dims of a head and loads MERGE_UNROLL splits' (max, sum, dims) at once, through L2 with
 `ld.global.cg` (other blocks wrote them), so a short context's merge is one round trip. It writes
-attn and resets the counter for the next launch. Programmatic dependent launch (ptx/griddep.py): the barriers, pos,
-the page table and the copies of the split's first ring of pages go out before grid_dependency_wait
-(all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the page holding pos,
-whose row the QKV GEMV writes, wait.
+attn and resets the counter for the next launch. Programmatic dependent launch (ptx/griddep.py):
+the barriers, pos, the page table and the copies of the split's first ring of pages go out before
+grid_dependency_wait (all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the
+page holding pos, whose row the QKV GEMV writes, wait.
 
 Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (128 KiB at 16 stages, head_dim 128), the
 consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B): ~143 KiB.
@@ -395,18 +395,18 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
             merged_max, merged_sum = NEG_INF, ZERO
             for first in range(0, active, MERGE_UNROLL):
                 for u in range(MERGE_UNROLL):
-                    sp = min(first + u, active - 1)  # past the end: re-read the last split, weight 0
+                    # Past the end: re-read the last split (finite values) with max -inf, weight 0.
+                    sp = min(first + u, active - 1)
                     slot = head * num_splits + sp
-                    maxes[u] = ld_global_cg_f32(part_max, slot)
+                    maxes[u] = ld_global_cg_f32(part_max, slot) if first + u < active else NEG_INF
                     sums[u] = ld_global_cg_f32(part_sum, slot)
-                    for half in range(2):
+                    for half in range(OCTET // 4):
                         at = slot * head_dim + OCTET * octet + 4 * half
                         (values[u, 4 * half], values[u, 4 * half + 1], values[u, 4 * half + 2],
                          values[u, 4 * half + 3]) = ld_global_cg_v4_f32(part_acc, at)
                 batch_max = merged_max
                 for u in range(MERGE_UNROLL):
-                    if first + u < active:
-                        batch_max = max(batch_max, maxes[u])
+                    batch_max = max(batch_max, maxes[u])
                 # An active split's max is finite (it had a key in the context), so batch_max is too.
                 correction = math.exp2(merged_max - batch_max)  # 0 on the first batch (-inf)
                 merged_max = batch_max
@@ -414,7 +414,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 for e in range(OCTET):
                     merged[e] *= correction
                 for u in range(MERGE_UNROLL):
-                    weight = math.exp2(maxes[u] - batch_max) if first + u < active else ZERO
+                    weight = math.exp2(maxes[u] - batch_max)
                     merged_sum += sums[u] * weight
                     for e in range(OCTET):
                         merged[e] += values[u, e] * weight
