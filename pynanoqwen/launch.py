@@ -15,8 +15,8 @@ the kernel's parameters) and then calls cuda.core's `launch` with
 `_Kernel._prepare_args` and `_Kernel._codelibrary`, which is why pyproject.toml pins numba-cuda's
 minor version. Every kernel launched this way must call `grid_dependency_wait()` before it reads
 another kernel's output or writes memory another kernel reads; the kernels of the decode step do,
-but for what decode attention reads before its wait, which is older than the kernel before it
-(docs/DECODE.md, "Execution model").
+but for what decode attention and the GEMVs' epilogues read before their wait, which is older than
+the kernel before them (docs/DECODE.md, "Execution model").
 
 Under the CUDA simulator (no driver) it falls back to the plain launch.
 """

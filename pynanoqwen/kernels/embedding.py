@@ -28,8 +28,11 @@ THREADS = 128
 def _embedding_kernel(hidden_size: int):
     @cuda.jit
     def embedding(table, tokens, pos, h):
-        launch_dependents()
         grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
+        # Only after the wait: the QKV GEMV after this kernel reads pos and the page table before
+        # its own wait (kernels/gemv_int4_kernel.py), so it must not start before the page
+        # allocator has completed.
+        launch_dependents()
         i = cuda.grid(1)
         if i < hidden_size:
             h[i] = float32(table[tokens[pos[0]], i])

@@ -33,9 +33,26 @@ before this one, so every lane issues its first `depth` items' loads before it w
 tail drains. A thread signals launch_dependents once it has issued its last load, so the next
 kernel starts requesting its own weights while this one finishes.
 
+Epilogue inputs read before the wait (residual, rope): h[row] that a residual epilogue adds to,
+and the rope epilogue's bias, position, page and RoPE angles, are not written by the kernel before
+this one, so each lane reads them with its first weight loads instead of after its tile's last
+item, where every read was one more L2 or DRAM round trip in the kernel's tail. Lane
+`owner * lanes_per_tile + r` of a warp stores row r of the warp's tile number `owner` (its tiles
+counted from its first, which split plans may share with the warps before), so each lane reads
+only its own rows; a warp with more tiles than that covers takes them in rounds of 32 lanes. Why
+it is safe (docs/DECODE.md, "Execution model"): a kernel starts only once the kernel before it
+has signalled launch_dependents, and the embedding, the INT4 GEMVs and decode attention signal
+only after their own wait, which returns once every kernel before them has completed. So when
+this kernel starts, every kernel before the nearest of those has completed, and in the step the
+writers of h (embedding, o_proj, down_proj), of pos (the sampler, a graph earlier) and of the page
+table (the page allocator, before the embedding) always lie before it. The condition this puts on
+a caller: a residual GEMV must not follow the kernel that writes its h with nothing between but
+kernels that signal before their wait (two residual GEMVs back to back on one h would add to a
+stale value).
+
 Fused RoPE and KV write (the decode step's QKV, `rope_heads=`, `launch_rope`): tile t is the row
 pair (d, d + head_dim/2) of one head instead of two consecutive rows, so the warp that finishes it
-holds both elements RoPE rotates together; lane 0 adds the bias, rotates a q pair into q, a k
+holds both elements RoPE rotates together; one lane (the tile's owner, above) adds the bias, rotates a q pair into q, a k
 pair into the position's KV-page slot (float16), and copies a v pair there (kernels/rope_kv_write.py
 does the same for prefill rows). One launch and one kernel boundary per layer fewer.
 """
@@ -95,6 +112,19 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
     half = U(head_dim // 2)
     k_start, v_start = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    # Epilogue inputs read before the wait (module docstring): a rope tile's four values (bias of
+    # both rows, cos, sin) sit in one lane, a residual tile's rows in `rows` lanes.
+    early = rope or residual
+    lanes_per_tile = 1 if rope else rows
+    early_per_tile = 4 if rope else 1
+    tiles_per_round = 32 // lanes_per_tile
+    if split:  # a run of at most this many items touches at most ceil(items / steps) + 1 tiles
+        run_items = -(-(-(-(n // rows) // grid) * int(steps)) // warps)
+        most_tiles = -(-run_items // int(steps)) + 1
+    else:
+        most_tiles = -(-(n // rows) // (grid * warps))
+    rounds = -(-most_tiles // tiles_per_round)
+    early_words = early_per_tile * rounds if early else 1
 
     @cuda.jit(device=True, inline="always")
     def row_of(tile, r):
@@ -144,6 +174,41 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                         scl[rows + r] = s1[scale_at]
 
     @cuda.jit(device=True, inline="always")
+    def read_early(warp_id, lane, first_cursor, touched, bias_values, out, early_values):
+        """This lane's epilogue inputs (module docstring), read before the wait; returns the rope
+        epilogue's (position, physical page)."""
+        p, page = U(0), U(0)
+        if rope:
+            page_table, pos = out[3], out[4]
+            p = U(pos[0])
+            page = U(page_table[p // U(PAGE_SIZE)])
+        for j in range(rounds):
+            owner = U(U(lane // U(lanes_per_tile)) + U(j * tiles_per_round))
+            if owner < touched:
+                tile = tile_of(warp_id, U(first_cursor + owner))
+                if rope:
+                    rope_cos, rope_sin = out[5], out[6]
+                    first = row_of(tile, 0)
+                    d = first % U(head_dim)
+                    early_values[4 * j] = float32(bias_values[first])
+                    early_values[4 * j + 1] = float32(bias_values[first + half])
+                    early_values[4 * j + 2] = rope_cos[p, d]
+                    early_values[4 * j + 3] = rope_sin[p, d]
+                else:
+                    early_values[j] = out[row_of(tile, lane % U(lanes_per_tile))]
+        return p, page
+
+    @cuda.jit(device=True, inline="always")
+    def early_value(early_values, round_, e):
+        """early_values[early_per_tile * round_ + e] for a round known only at run time, as selects
+        over the compile-time rounds, so the array stays in registers."""
+        value = early_values[e]
+        for j in range(1, rounds):
+            if round_ == U(j):
+                value = early_values[early_per_tile * j + e]
+        return value
+
+    @cuda.jit(device=True, inline="always")
     def warp_totals(acc, totals):
         """totals = the warp's sums of acc (in every lane); acc restarts at zero."""
         for i in range(slot_scales):
@@ -151,20 +216,20 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
             acc[i] = float32(0)
 
     @cuda.jit(device=True, inline="always")
-    def finish_rope(tile, lane, totals, bias_values, out):
+    def finish_rope(tile, owner, lane, totals, early_values, p, page, out):
         """The QKV tile (d, d + half) of one head: + bias, then a q head is rotated into q, a k head
         rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math)."""
-        if lane == U(0):
-            q_out, k_pages, v_pages, page_table, pos, rope_cos, rope_sin = out
+        if lane == U(owner % U(tiles_per_round)):
+            q_out, k_pages, v_pages = out[0], out[1], out[2]
+            round_ = U(owner // U(tiles_per_round))
             first = row_of(tile, 0)
-            x1 = totals[0] + float32(bias_values[first])
-            x2 = totals[1] + float32(bias_values[first + half])
+            x1 = totals[0] + early_value(early_values, round_, 0)
+            x2 = totals[1] + early_value(early_values, round_, 1)
             head = first // U(head_dim)
             d = first % U(head_dim)
-            p = pos[0]
-            page, slot = page_table[p // PAGE_SIZE], p % PAGE_SIZE
+            slot = p % U(PAGE_SIZE)
             if first < U(v_start):
-                c, sn = rope_cos[p, d], rope_sin[p, d]
+                c, sn = early_value(early_values, round_, 2), early_value(early_values, round_, 3)
                 y1, y2 = x1 * c - x2 * sn, x2 * c + x1 * sn
                 if first < U(k_start):
                     q_out[first] = y1
@@ -179,19 +244,23 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                 v_pages[page, kv, slot, d + half] = x2
 
     @cuda.jit(device=True, inline="always")
-    def finish(tile, lane, totals, bias_values, out):
-        """A tile's sums are complete (totals, in every lane): lane r stores row r's epilogue."""
+    def finish(tile, owner, lane, totals, bias_values, early_values, p, page, out):
+        """A tile's sums are complete (totals, in every lane): lane r stores row r's epilogue, or
+        for the early-read epilogues the lanes that read its inputs (module docstring); `owner` is
+        the tile's number among this warp's."""
         if rope:
-            finish_rope(tile, lane, totals, bias_values, out)
+            finish_rope(tile, owner, lane, totals, early_values, p, page, out)
             return
         for r in range(rows):
-            if lane == U(r):
+            if residual:
+                if lane == U(U(U(lanes_per_tile) * U(owner % U(tiles_per_round))) + U(r)):
+                    out[U(U(tile * U(rows)) + U(r))] = early_value(early_values, U(owner // U(tiles_per_round)), 0) \
+                        + totals[r]
+            elif lane == U(r):
                 row = U(U(tile * U(rows)) + U(r))
                 total = totals[r]
                 if silu:
                     out[row] = total / (float32(1) + math.exp(-total)) * totals[rows + r]
-                elif residual:
-                    out[row] += total
                 elif bias:
                     out[row] = total + float32(bias_values[row])
                 else:
@@ -199,7 +268,7 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
 
     @cuda.jit(device=True, inline="always")
     def compute(warp_id, lane, tile, step, valid, deferred_tile, words, scl, activations, xs, xv, acc, totals,
-                deferred, bias_values, out):
+                deferred, bias_values, out, first_cursor, early_values, p, page):
         """Add the item (tile, step), already in this slot, into acc. At a tile's last step the tile
         is finished, unless it began before this warp's range (deferred_tile): its sums wait in
         `deferred` for the partials of the warps before this one (gemv_int4, after the loop)."""
@@ -215,7 +284,8 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                     warp_totals(acc, deferred)
                 else:
                     warp_totals(acc, totals)
-                    finish(tile_of(warp_id, tile), lane, totals, bias_values, out)
+                    finish(tile_of(warp_id, tile), U(tile - first_cursor), lane, totals, bias_values, early_values, p,
+                           page, out)
 
     # The launch bound caps registers so that blocks_per_sm blocks fit (the simulator has no such option).
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, plan.blocks_per_sm)}))
@@ -234,6 +304,7 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         acc = cuda.local.array(slot_scales, float32)
         totals = cuda.local.array(slot_scales, float32)
         deferred = cuda.local.array(slot_scales, float32)
+        early_values = cuda.local.array(early_words, float32)
         lane = U(cuda.laneid)
         warp = U(U(cuda.threadIdx.x) // U(32))
         block = U(cuda.blockIdx.x)
@@ -245,11 +316,13 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
             begin = U(U(warp * block_items) // U(warps))
             end = U(U(U(warp + U(1)) * block_items) // U(warps))
             tile0, step0 = U(first_tile + U(begin // steps)), U(begin % steps)
+            touched = U(U(U(first_tile + U(U(end - U(1)) // steps)) - tile0) + U(1)) if end > begin else U(0)
         else:
             # Whole tiles warp_id, warp_id + total_warps, ...: the cursor counts this warp's tiles.
             count = U(U(U(tiles - U(1) - warp_id) // total_warps) + U(1)) if warp_id < tiles else U(0)
             begin, end = U(0), U(count * steps)
             tile0, step0 = U(0), U(0)
+            touched = count
         items = U(end - begin)
         # A tile this warp finishes but did not begin: the warps before it hold its first items.
         deferred_tile = tile0 if step0 != U(0) else U(0xFFFFFFFF)
@@ -266,6 +339,10 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
             load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
         if depth >= 4:
             load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
+        first_cursor = tile0
+        p, page = U(0), U(0)
+        if early:
+            p, page = read_early(warp_id, lane, first_cursor, touched, bias_values, out, early_values)
         grid_dependency_wait()
         stage(activations, xs)
         for i in range(slot_scales):
@@ -275,22 +352,22 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         triggered = False
         while item < items:
             compute(warp_id, lane, tile0, step0, item < items, deferred_tile, words0, scl0, activations, xs, xv, acc,
-                    totals, deferred, bias_values, out)
+                    totals, deferred, bias_values, out, first_cursor, early_values, p, page)
             tile0, step0 = advance(tile0, step0, depth)
             load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(item + U(depth)) < items, words0, scl0)
             if depth >= 2:
                 compute(warp_id, lane, tile1, step1, U(item + U(1)) < items, deferred_tile, words1, scl1, activations, xs,
-                        xv, acc, totals, deferred, bias_values, out)
+                        xv, acc, totals, deferred, bias_values, out, first_cursor, early_values, p, page)
                 tile1, step1 = advance(tile1, step1, depth)
                 load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(item + U(depth + 1)) < items, words1, scl1)
             if depth >= 3:
                 compute(warp_id, lane, tile2, step2, U(item + U(2)) < items, deferred_tile, words2, scl2, activations, xs,
-                        xv, acc, totals, deferred, bias_values, out)
+                        xv, acc, totals, deferred, bias_values, out, first_cursor, early_values, p, page)
                 tile2, step2 = advance(tile2, step2, depth)
                 load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(item + U(depth + 2)) < items, words2, scl2)
             if depth >= 4:
                 compute(warp_id, lane, tile3, step3, U(item + U(3)) < items, deferred_tile, words3, scl3, activations, xs,
-                        xv, acc, totals, deferred, bias_values, out)
+                        xv, acc, totals, deferred, bias_values, out, first_cursor, early_values, p, page)
                 tile3, step3 = advance(tile3, step3, depth)
                 load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(item + U(depth + 3)) < items, words3, scl3)
             item = U(item + U(depth))
@@ -321,6 +398,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                             deferred[i] += partials[U(U(before * U(slot_scales)) + U(i))]
                         if U(U(before * block_items) // U(warps)) <= tile_begin:
                             break
-                    finish(deferred_tile, lane, deferred, bias_values, out)
+                    finish(deferred_tile, U(0), lane, deferred, bias_values, early_values, p, page, out)
 
     return gemv_int4

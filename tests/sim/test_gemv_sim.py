@@ -76,6 +76,9 @@ PIPELINED = GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1)
     (16, 384, GemvPlan(rows=2, depth=2), "float16"),  # out_dtype float16
     (18, 256, PIPELINED, "bias"),       # one step a tile: 5, 5, 4, 4 tiles a warp, loads 4 tiles ahead
     (12, 1152, PIPELINED, "residual"),  # two steps a tile (the second with 4 lanes): ahead across tiles
+    # The residual epilogue reads h before the wait, lane 32 j + L for tile 32 j + L of its warp:
+    (160, 256, PIPELINED, "residual"),  # 40 tiles a warp: two rounds of 32 lanes
+    (80, 256, GemvPlan(rows=4, depth=2, warps=1, blocks_per_sm=1), "residual"),  # 10 tiles of 4 rows: 2 rounds of 8
     # split_tiles (work split in gemv_int4_kernel.py): the warp holding a tile's last step adds the
     # partials the warps before it left in shared memory.
     (8, 4096, GemvPlan(rows=1, depth=2, warps=8, blocks_per_sm=1, split_tiles=True), "residual"),  # each tile on 2 warps
@@ -228,6 +231,7 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
 @pytest.mark.parametrize("k, plan", [
     (256, GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1)),
     (2048, GemvPlan(rows=2, depth=2, warps=3, blocks_per_sm=1, split_tiles=True)),  # 128 items a block on 3 warps: split tiles
+    (256, GemvPlan(rows=2, depth=2, warps=1, blocks_per_sm=1)),  # 64 tiles a warp: bias and angles read in 2 rounds
 ])
 def test_qkv_rope_kv_write(path, k, plan):
     """The QKV GEMV with the RoPE + KV-write epilogue against float64: W x + b, rotated by the float64
