@@ -360,8 +360,11 @@ def _map_read_only(path: Path) -> mmap.mmap:
 
 def describe(path) -> str:
     """`python -m pynanoqwen info`: header, config, tokenizer, tensor summary, example tensors."""
+    from .tokenizer import Tokenizer  # tokenizers and jinja2: only for describing a whole file
+
     with NanoQwenFile(path, verify_data=True) as f:
         h = f.header
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, None, vocab_size=f.config.vocab_size)
         size = h.file_size
         lines = [
             f"file              {f.path}",
@@ -372,7 +375,8 @@ def describe(path) -> str:
             f"{len(f.names)} tensors: all verified",
             f"tensor table      {h.table_count} entries x {h.table_entry_size} bytes at offset {h.table_offset}",
             f"tokenizer blob    {h.tokenizer_length:,} bytes at offset {h.tokenizer_offset}: "
-            f"tokenizer.json {len(f.tokenizer_json):,} bytes, chat template "
+            f"tokenizer.json {len(f.tokenizer_json):,} bytes ({tokenizer.size:,} tokens of the "
+            f"{f.config.vocab_size:,}-id vocabulary), chat template "
             + ("none" if f.chat_template is None else f"{len(f.chat_template.encode('utf-8')):,} bytes"),
             f"quantization      INT4 symmetric (scheme {h.quant_scheme}), one FP16 scale per "
             f"{h.group_size} inputs, ValueShuffle nibble order; lm_head "

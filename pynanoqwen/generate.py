@@ -226,6 +226,7 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
         # The template is compiled only for --chat: a file whose template is broken still
         # completes raw and fill-in-the-middle prompts.
         tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template if options.chat else None,
+                                              vocab_size=config.vocab_size,
                                               bos_token_id=config.bos_token_id,
                                               eos_token_id=config.eos_token_id, extra_eos_ids=f.extra_eos_ids)
     max_context = min(options.max_context, config.max_position_embeddings)

@@ -96,15 +96,26 @@ class Tokenizer:
         self.stop_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
 
     @classmethod
-    def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *,
+    def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *, vocab_size: int,
                         bos_token_id: int | None = None, eos_token_id: int | None = None,
                         extra_eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
-        """Load the tokenizer.json bytes stored in a .nanoqwen file (bos/eos ids come from its header)."""
+        """Load the tokenizer.json bytes stored in a .nanoqwen file (vocab_size and the bos/eos ids
+        come from its header). A tokenizer with more tokens than the model's vocabulary is an
+        error here, not later: text could encode to an id the embedding table has no row for."""
         try:
             hf_tokenizer = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
         except Exception as err:  # invalid UTF-8, or the Rust parser's bare Exception
             raise FormatError(f"the embedded tokenizer.json cannot be loaded: {err}") from None
-        return cls(hf_tokenizer, chat_template, bos_token_id, eos_token_id, extra_eos_ids)
+        tokenizer = cls(hf_tokenizer, chat_template, bos_token_id, eos_token_id, extra_eos_ids)
+        if tokenizer.size > vocab_size:
+            raise FormatError(f"the embedded tokenizer's ids reach {tokenizer.size - 1} but the model's vocabulary "
+                              f"has {vocab_size}: text could encode to ids the model has no embedding for")
+        return tokenizer
+
+    @property
+    def size(self) -> int:
+        """One past the largest id the tokenizer can produce (added tokens included)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -231,7 +231,7 @@ def format_tier(t: Target) -> Iterator[Check]:
                  f"{len(t.file.names)} tensors, CRC-32 verified; {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
                  f"vocab {cfg.vocab_size}, lm_head {'INT4' if t.file.lm_head_int4 else 'FP16'}")
     try:
-        t.tokenizer = Tokenizer.from_json_bytes(t.file.tokenizer_json, t.file.chat_template,
+        t.tokenizer = Tokenizer.from_json_bytes(t.file.tokenizer_json, t.file.chat_template, vocab_size=cfg.vocab_size,
                                                 bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
     except NanoQwenError as err:
         t.file.close()

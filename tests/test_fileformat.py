@@ -51,7 +51,7 @@ TINY_TIED = dataclasses.replace(TINY, tie_word_embeddings=True)
 SMALL = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2, num_kv_heads=1,
                     head_dim=64, vocab_size=256, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 # Non-ASCII on purpose: the blob must carry UTF-8 byte-exactly.
-TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"Ġé": 0, "→": 1}}}'.encode()
+TOKENIZER_JSON = '{"version": "1.0", "model": {"type": "BPE", "vocab": {"Ġé": 0, "→": 1}, "merges": []}}'.encode()
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}·"
 
 FUZZ_CASES: Counter[str] = Counter()  # cases executed per fuzz test, printed with -s
@@ -584,7 +584,7 @@ def test_info_prints_a_summary(tmp_path):
     out = result.stdout
     assert "NANOQWEN version 1" in out and f"{path.stat().st_size:,} bytes" in out
     assert "hidden_size               256" in out and "rope_theta                1000000.0" in out
-    assert f"tokenizer.json {len(TOKENIZER_JSON):,} bytes" in out
+    assert f"tokenizer.json {len(TOKENIZER_JSON):,} bytes (2 tokens of the {TINY.vocab_size:,}-id vocabulary)" in out
     assert f"chat template {len(CHAT_TEMPLATE.encode()):,} bytes" in out
     n_fp16 = sum(t.dtype == np.float16 for t in tensors.values())
     fp16_bytes = sum(t.nbytes for t in tensors.values() if t.dtype == np.float16)

@@ -116,7 +116,8 @@ def test_chat_and_fim_prompts(tiny_file, reference):
 
 def test_build_prompt_modes(tiny_file):
     with NanoQwenFile(tiny_file) as f:
-        tok = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, eos_token_id=f.config.eos_token_id)
+        tok = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, vocab_size=f.config.vocab_size,
+                                        eos_token_id=f.config.eos_token_id)
     assert tok.has_chat_template  # convert embedded Qwen2.5-Instruct's template
     assert gen.build_prompt(tok, "x = 1", chat=False, system=None, fim_suffix=None) == "x = 1"
     assert gen.build_prompt(tok, "Hi", chat=True, system=None, fim_suffix=None) == (
@@ -147,7 +148,8 @@ class ScriptedModel:
 @pytest.fixture(scope="module")
 def tokenizer(tiny_file):
     with NanoQwenFile(tiny_file) as f:
-        return Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, eos_token_id=f.config.eos_token_id)
+        return Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, vocab_size=f.config.vocab_size,
+                                         eos_token_id=f.config.eos_token_id)
 
 
 def test_generation_stops_at_a_stop_token_which_is_not_printed(tokenizer):
@@ -392,6 +394,28 @@ def test_a_file_whose_chat_template_is_broken_still_completes_raw_prompts(tiny_f
     assert raw.stdout.decode() == reference_generation(reference, ids, SamplingParams(), 5) + "\n"
     assert run_module(*base, "--fim-suffix", "\n    return y\n", "def f(x):\n").returncode == 0
     one_error_line(run_module(*base, "--chat", "hi"), r"the chat template does not compile: .* \(line 1\)")
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_by_every_command(tmp_path):
+    """A file whose tokenizer has an id past config.vocab_size (a tokenizer.json from another model,
+    or written by hand) is refused when it loads, by every command, with the cause: before, `info`
+    described it without a word and generate refused only a prompt that reached such an id, once
+    the model had loaded ("token id 4096 is outside the vocabulary")."""
+    import json
+
+    from pynanoqwen.data import EMBEDDED_MODEL
+
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        vocab = f.config.vocab_size  # the embedded tokenizer fills it exactly
+        tokenizer = json.loads(bytes(f.tokenizer_json))
+    tokenizer["added_tokens"].append({"id": vocab, "content": "<|beyond|>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    beyond = rewritten(EMBEDDED_MODEL, tmp_path / "beyond.nanoqwen", tokenizer_json=json.dumps(tokenizer).encode())
+    message = rf"the embedded tokenizer's ids reach {vocab} but the model's vocabulary has {vocab}"
+    one_error_line(run_module("generate", "--model", beyond, "--device", "cpu", "<|beyond|>"), message)
+    one_error_line(run_module("info", beyond), message)
+    report = run_module("validate", "--model", beyond, "--device", "cpu", "--prompts", "1")  # a FAIL of its own
+    assert report.returncode == 1 and re.search(message, report.stdout.decode()), report.stdout
 
 
 def test_generation_stops_at_the_files_extra_end_of_generation_ids(tiny_file, reference, tmp_path):

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pynanoqwen.data import EMBEDDED_MODEL
+from pynanoqwen.errors import FormatError
 from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.prompt_lookup import LookupParams
 from pynanoqwen.server.prompts import infill_prompt
@@ -388,26 +389,24 @@ def test_prompt_lookup_serves_the_same_tokens_and_counts_its_drafts(server, http
     assert 0 < metric(scraped, "pynanoqwen_prompt_lookup_accepted_tokens_total") <= drafted
 
 
-def test_a_prompt_token_beyond_the_model_vocabulary_is_a_400(tmp_path):
-    """A file whose tokenizer.json has a token past vocab_size (convert refuses such a tokenizer;
-    a file written otherwise may hold one): a prompt with it was a 500 from the engine."""
+def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_at_load_and_token_ids_beyond_it_are_a_400(tmp_path):
+    """A file whose tokenizer.json has a token past vocab_size (convert refuses such a tokenizer; a
+    file written otherwise may hold one) is not served: text could encode to ids the weights lack
+    (once a 500 from the engine). A prompt of token ids past the vocabulary is the client's error."""
     with NanoQwenFile(EMBEDDED_MODEL) as f:
         tokenizer_json = json.loads(bytes(f.tokenizer_json))
         vocab_size = f.config.vocab_size
     tokenizer_json["added_tokens"].append({"id": vocab_size, "content": "<|beyond|>", "single_word": False,
                                            "lstrip": False, "rstrip": False, "normalized": False, "special": True})
     path = rewritten(tmp_path / "beyond.nanoqwen", tokenizer_json=json.dumps(tokenizer_json).encode())
-    backend, model = load_model(path, "cpu", CONTEXT, self_check=False, on_status=lambda line: None)
+    with pytest.raises(FormatError, match=f"the embedded tokenizer's ids reach {vocab_size} but the model's "
+                                          f"vocabulary has {vocab_size}"):
+        load_model(path, "cpu", CONTEXT, self_check=False, on_status=lambda line: None)
+    backend, model = load_model(EMBEDDED_MODEL, "cpu", CONTEXT, self_check=False, on_status=lambda line: None)
     with serving(backend, model) as url, httpx.Client(base_url=url, timeout=60) as http:
-        for path, body, param in (
-                ("/v1/completions", {"model": model.id, "prompt": "x <|beyond|>"}, "prompt"),
-                ("/v1/completions", {"model": model.id, "prompt": "x <|beyond|>", "stream": True}, "prompt"),
-                ("/v1/chat/completions", {"model": model.id, "messages": [{"role": "user", "content": "<|beyond|>"}]},
-                 "messages"),
-                ("/infill", {"input_prefix": "<|beyond|>", "input_suffix": ""}, "input_prefix")):
-            refused = http.post(path, json=body)
-            assert refused.status_code == 400, refused.text
-            assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (param, "invalid_value")
-            assert f"token {vocab_size} ('<|beyond|>')" in refused.json()["error"]["message"]
+        refused = http.post("/v1/completions", json={"model": model.id, "prompt": [5, vocab_size]})
+        assert refused.status_code == 400, refused.text
+        assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("prompt", "invalid_value")
+        assert f"Token id {vocab_size} is outside the vocabulary" in refused.json()["error"]["message"]
         answer = http.post("/v1/completions", json={"model": model.id, "prompt": "x", "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2

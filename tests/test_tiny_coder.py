@@ -33,7 +33,7 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def tiny_coder():
     with NanoQwenFile(EMBEDDED_MODEL) as f:
-        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template)
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, vocab_size=f.config.vocab_size)
         yield f, tokenizer
 
 

@@ -52,7 +52,8 @@ def backend():
 
 @pytest.fixture(scope="module")
 def tokenizer(backend):
-    return Tokenizer.from_json_bytes(backend.to_str().encode(), None, bos_token_id=0, eos_token_id=2)
+    return Tokenizer.from_json_bytes(backend.to_str().encode(), None, vocab_size=backend.get_vocab_size(),
+                                     bos_token_id=0, eos_token_id=2)
 
 
 def test_encode_decode_round_trip_and_special_tokens(tokenizer):
@@ -70,18 +71,18 @@ def test_encode_decode_round_trip_and_special_tokens(tokenizer):
 def test_stop_ids_are_the_end_and_fim_tokens_the_config_eos_and_the_extra_eos_ids(backend):
     """<|endoftext|>, <|im_end|> and the FIM/repository markers (ids 3..8 here; not <|im_start|>,
     id 1), the header's eos_token_id and its extra end-of-generation ids."""
-    json_bytes = backend.to_str().encode()
-    assert Tokenizer.from_json_bytes(json_bytes, None).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8}
-    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=17).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8, 17}
-    assert Tokenizer.from_json_bytes(json_bytes, None, eos_token_id=2,
+    json_bytes, vocab = backend.to_str().encode(), {"vocab_size": backend.get_vocab_size()}
+    assert Tokenizer.from_json_bytes(json_bytes, None, **vocab).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8}
+    assert Tokenizer.from_json_bytes(json_bytes, None, **vocab, eos_token_id=17).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8, 17}
+    assert Tokenizer.from_json_bytes(json_bytes, None, **vocab, eos_token_id=2,
                                      extra_eos_ids=(40, 41)).stop_ids == {0, 2, 3, 4, 5, 6, 7, 8, 40, 41}
 
 
 def test_a_broken_tokenizer_json_is_a_format_error():
     with pytest.raises(FormatError, match="tokenizer.json"):
-        Tokenizer.from_json_bytes(b'{"version": "1.0", "model": 5}', None)
+        Tokenizer.from_json_bytes(b'{"version": "1.0", "model": 5}', None, vocab_size=16)
     with pytest.raises(FormatError, match="tokenizer.json"):
-        Tokenizer.from_json_bytes(b"\xff\xfe", None)
+        Tokenizer.from_json_bytes(b"\xff\xfe", None, vocab_size=16)
 
 
 def test_fallback_chatml_adds_qwen_default_system_prompt(tokenizer):

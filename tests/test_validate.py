@@ -238,7 +238,7 @@ def test_dp4a_divergences_must_sit_at_near_ties():
     t.file = NanoQwenFile(EMBEDDED_MODEL)
     try:
         cfg = t.config
-        t.tokenizer = Tokenizer.from_json_bytes(t.file.tokenizer_json, t.file.chat_template,
+        t.tokenizer = Tokenizer.from_json_bytes(t.file.tokenizer_json, t.file.chat_template, vocab_size=cfg.vocab_size,
                                                 bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
         theirs = t.reference_tokens()
         prompt, at = t.prompts()[1], 5

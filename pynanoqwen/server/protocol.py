@@ -143,11 +143,6 @@ def budget(prompt_ids: list[int], max_tokens: int | None, model: ModelInfo, prom
     if n == 0:
         raise ApiError(400, "The prompt is empty: there is nothing to continue.", param=prompt_param,
                        code="empty_prompt")
-    if max(prompt_ids) >= model.vocab_size:  # a file whose tokenizer.json has tokens its weights lack
-        token = next(t for t in prompt_ids if t >= model.vocab_size)
-        raise ApiError(400, f"The prompt holds token {token} ({model.tokenizer.decode([token])!r}), which this model's "
-                            f"tokenizer has but its {model.vocab_size}-token vocabulary does not.",
-                       param=prompt_param, code="invalid_value")
     if n + 1 > context:
         raise ApiError(400, f"The prompt is {n} tokens, {n + 1 - context} more than the {context - 1} that fit in "
                             f"this model's context of {context} tokens with one generated token.",

@@ -111,7 +111,8 @@ def model_info(path: Path, max_context: int) -> ModelInfo:
                 compile_chat_template(template)
             except FormatError as err:
                 template, chat_error = None, str(err)
-        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, template, bos_token_id=config.bos_token_id,
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, template, vocab_size=config.vocab_size,
+                                              bos_token_id=config.bos_token_id,
                                               eos_token_id=config.eos_token_id, extra_eos_ids=f.extra_eos_ids)
     return ModelInfo(path.stem, tokenizer, min(max_context, config.max_position_embeddings), config.vocab_size,
                      chat_error)
