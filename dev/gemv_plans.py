@@ -45,6 +45,9 @@ PLANS = {  # GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles)
     "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True)],
 }
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
+# --epilogues: the forms each linear is timed in, the decode step's own form last.
+EPILOGUE_FORMS = {"qkv_rope": ("store", "norm+bias", "norm+rope"), "o_proj": ("store", "norm", "residual"),
+                  "gate_up": ("norm+silu",), "down": ("store", "norm", "residual"), "lm_head": ("store", "residual", "norm")}
 
 
 def build(name, n, k, epilogue, plan, rng):
@@ -96,20 +99,22 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument("--hot", action="store_true", help="every call reads the same weights (from L2 if they fit)")
     parser.add_argument("--epilogues", action="store_true",
-                        help="instead: o_proj, down and lm_head at their default plan with float16 x stored, float16 x "
-                             "added into a residual, and a fused RMSNorm of float32 h stored (what staging and epilogue cost)")
+                        help="instead: each linear at its default plan in the forms of EPILOGUE_FORMS (what staging "
+                             "and epilogue cost: float16 x stored, added into a residual, a fused RMSNorm of h, qkv's "
+                             "bias and RoPE epilogues), twice")
     args = parser.parse_args()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
     rng = np.random.default_rng(0)
     stream = cuda.stream()
     if args.epilogues:
-        for name, n, k, _ in SHAPES:
-            if name in ("o_proj", "down", "lm_head"):
-                for epilogue in ("store", "residual", "norm"):
-                    row = time_plan(name, n, k, epilogue, default_plan(n, k), rng, stream, args.hot)
-                    print(f"{name:8s} {epilogue:8s} PDL {row['us']:7.2f} us "
-                          f"{100 * row['bytes'] / (row['us'] * 1e-6) / copy:5.1f}% of copy", flush=True)
+        for round_ in range(2):  # the second round shows the run-to-run spread
+            for name, n, k, _ in SHAPES:
+                for epilogue in EPILOGUE_FORMS.get(name, ()):
+                    plan = ROPE_PLAN if "rope" in epilogue else default_plan(n, k, 2 if name == "gate_up" else 1)
+                    row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot)
+                    print(f"round {round_} {name:8s} {epilogue:10s} PDL {row['us']:7.2f} us plain {row['plain_us']:7.2f}"
+                          f" us {100 * row['bytes'] / (row['us'] * 1e-6) / copy:5.1f}% of copy", flush=True)
         return
     rows = []
     for name, n, k, epilogue in SHAPES:
