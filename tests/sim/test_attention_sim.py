@@ -75,6 +75,14 @@ def test_cluster_merge_variant_with_one_block_clusters(num_splits, stages, consu
     matches_softmax_reference(load_variant(cluster=1).make_decode_attention, num_splits, stages, consumers)
 
 
+@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2)])
+def test_one_fence_variant_matches_softmax_reference(num_splits, stages, consumers):
+    """dev/attention_one_fence.py: the split's partial published by thread 0's fence alone."""
+    from attention_one_fence import load_variant
+
+    matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
+
+
 def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
     attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
