@@ -52,9 +52,10 @@ stale value).
 
 Fused RoPE and KV write (the decode step's QKV, `rope_heads=`, `launch_rope`): tile t is the row
 pair (d, d + head_dim/2) of one head instead of two consecutive rows, so the warp that finishes it
-holds both elements RoPE rotates together; one lane (the tile's owner, above) adds the bias, rotates a q pair into q, a k
-pair into the position's KV-page slot (float16), and copies a v pair there (kernels/rope_kv_write.py
-does the same for prefill rows). One launch and one kernel boundary per layer fewer.
+holds both elements RoPE rotates together; one lane (the tile's owner, above) adds the bias,
+rotates a q pair into q, a k pair into the position's KV-page slot (float16), and copies a v pair
+there (kernels/rope_kv_write.py does the same for prefill rows). One launch and one kernel
+boundary per layer fewer.
 """
 
 from __future__ import annotations
