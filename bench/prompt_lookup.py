@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model(args.model)
     f = NanoQwenFile(path)
     cfg = f.config
-    tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, None, bos_token_id=cfg.bos_token_id,
+    tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, None, vocab_size=cfg.vocab_size,
+                                          bos_token_id=cfg.bos_token_id,
                                           eos_token_id=cfg.eos_token_id, extra_eos_ids=f.extra_eos_ids)
     context = cfg.max_position_embeddings
     source = args.source_tokens or context // 2

@@ -262,7 +262,7 @@ def greedy_sample(model_path: Path, prompt: str, tokens: int) -> str:
     from pynanoqwen.tokenizer import Tokenizer
 
     with NanoQwenFile(model_path) as f:
-        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template)
+        tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, f.chat_template, vocab_size=f.config.vocab_size)
         backend = CpuBackend(ReferenceModel(f))
         ids = tokenizer.encode(prompt)
         out = list(backend.generate(ids, SamplingParams(), tokens, tokenizer.stop_ids))

@@ -86,7 +86,8 @@ def test_bad_lookup_options_are_one_clear_error(k, ngram, message):
 @pytest.fixture(scope="module")
 def embedded():
     f = NanoQwenFile(EMBEDDED_MODEL)
-    tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, None, bos_token_id=f.config.bos_token_id,
+    tokenizer = Tokenizer.from_json_bytes(f.tokenizer_json, None, vocab_size=f.config.vocab_size,
+                                          bos_token_id=f.config.bos_token_id,
                                           eos_token_id=f.config.eos_token_id, extra_eos_ids=f.extra_eos_ids)
     return f, tokenizer
 
