@@ -115,8 +115,8 @@ EDITS = [
      "                                                       * SMEM_ROW_WORDS + 8 * jp + 4 * (lane // 16))",
      "ldmatrix_x4_trans(words, V_RING + base + (8 * ((lane // 8) % 2) + lane % 8)\n"
      "                                                       * SMEM_ROW_WORDS + 4 * ((2 * jp + lane // 16) ^ (lane % SWIZZLE)))"),
-    ("               (q, k_pages, v_pages, page_table, pos, out, self.records",
-     "               (q, _words(k_pages), _words(v_pages), page_table, pos, out, self.records"),
+    ("               (q, k_pages, v_pages, page_table, pos, out, self.part_max",
+     "               (q, _words(k_pages), _words(v_pages), page_table, pos, out, self.part_max"),
 ]
 
 
@@ -155,9 +155,9 @@ def compile_targets():
     from numba import types
 
     module = load_variant()
-    words = types.uint32[::1]
+    words, flat = types.uint32[::1], types.float32[::1]
     signature = types.void(types.float32[:, ::1], words, words, types.int32[::1], types.int32[::1],
-                           types.float16[::1], words, types.uint64[::1])
+                           types.float16[::1], flat, flat, flat, types.int32[::1])
     return [variant_compile_target(module, "decode_attention swizzled ring[28/4x128]", signature,
                                    module.default_num_splits(SEVEN_B.num_kv_heads, 132),
                                    drop=("cp.async.bulk", "mbarrier.arrive.expect_tx"),

@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import edited_kernel_source, load_source  # noqa: E402
 
 PHASES = ["entry", "barriers set", "pos read", "early copies issued", "wait returned", "q read", "first page here",
-          "pages done", "partials met", "partial combined", "record stored", "records merged", "thread 0 wrote attn",
-          "end"]
+          "pages done", "partials met", "partials stored+fenced", "counted in", "merge began",
+          "thread 0 merged", "end"]
 E8, E12, E16 = " " * 8, " " * 12, " " * 16
 # (text of the product kernel, the text that replaces it): each must occur exactly once.
 EDITS = [
-    ("records, launches):\n", "records, launches, st):\n"),
+    ("arrivals):\n", "arrivals, st):\n"),
     ("page_table, pos, out) -> None:", "page_table, pos, out, st) -> None:"),
-    ("self.records, self.launches),", "self.records, self.launches, st),"),
+    (E16 + "self.arrivals), shared_bytes", E16 + "self.arrivals, st), shared_bytes"),
     (E8 + "gid, tq = lane // 4, lane % 4\n",
      E8 + "gid, tq = lane // 4, lane % 4\n" + E8 + "blk = split * num_kv_heads + kv_head\n"
      + E8 + "if tid == 0:\n" + E12 + "st[blk, 0] = gtimer()\n"),
@@ -44,9 +44,9 @@ EDITS = [
     (E8 + "grid_dependency_wait()  # q and the K/V row",
      E8 + "if warp == PRODUCER_WARP and lane == 0:\n" + E12 + "st[blk, 3] = gtimer()\n"
      + E8 + "grid_dependency_wait()  # q and the K/V row"),
-    (E8 + "if warp == PRODUCER_WARP:\n" + E12 + "# This launch's ticket",
+    (E8 + "if warp == PRODUCER_WARP:\n" + E12 + "for i in range(early, num_pages):",
      E8 + "if tid == 0:\n" + E12 + "st[blk, 4] = gtimer()\n"
-     + E8 + "if warp == PRODUCER_WARP:\n" + E12 + "# This launch's ticket"),
+     + E8 + "if warp == PRODUCER_WARP:\n" + E12 + "for i in range(early, num_pages):"),
     (E12 + "acc = cuda.local.array(O_FLOATS, types.float32)",
      E12 + "if tid == 0:\n" + E16 + "st[blk, 5] = gtimer() + (q_hi[0] & U(0))\n"
      + E12 + "acc = cuda.local.array(O_FLOATS, types.float32)"),
@@ -58,20 +58,19 @@ EDITS = [
     (E8 + "launch_dependents()\n" + E8 + "cuda.syncthreads()\n",
      E8 + "launch_dependents()\n" + E8 + "cuda.syncthreads()\n" + E8 + "if tid == 0:\n" + E12 + "st[blk, 8] = gtimer()\n"
      + E12 + "st[blk, 15] = num_pages\n"),
-    (E8 + "if num_pages == 0:\n" + E12 + "return\n",
-     E8 + "if num_pages == 0:\n" + E12 + "if tid == 0:\n" + E16 + "st[blk, 13] = gtimer()\n" + E12 + "return\n"),
-    (E12 + "if not merging:\n",
-     E12 + "if tid == 0:\n" + E16 + "st[blk, 9] = gtimer()\n" + E12 + "if not merging:\n"),
-    (E16 + "continue\n",
-     E16 + "if tid == 0:\n" + E16 + "    st[blk, 10] = gtimer()\n" + E16 + "continue\n"),
-    (E12 + "inverse = np.float32(1.0) / merged_sum\n",
-     E12 + "if tid == 0:\n" + E16 + "st[blk, 11] = gtimer()\n" + E12 + "inverse = np.float32(1.0) / merged_sum\n"),
-    (E16 + "out[head * head_dim + j + DIM_SLICES * e] = mine[e] * inverse\n",
-     E16 + "out[head * head_dim + j + DIM_SLICES * e] = mine[e] * inverse\n" + E12 + "if tid == 0:\n"
-     + E16 + "st[blk, 12] = gtimer()\n"),
-    ("\n\n    return decode_attention\n",
-     "\n" + E8 + "cuda.syncthreads()\n" + E8 + "if tid == 0:\n" + E12 + "st[blk, 13] = gtimer()\n"
-     + "\n    return decode_attention\n"),
+    (E8 + "if tid == 0:\n" + E12 + "last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == num_splits - 1\n",
+     E8 + "if tid == 0:\n" + E12 + "st[blk, 9] = gtimer()\n"
+     + E12 + "last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == num_splits - 1\n"
+     + E12 + "st[blk, 10] = gtimer() + last_block[0] * 0\n"),
+    (E8 + "if last_block[0] == 0:\n" + E12 + "return\n",
+     E8 + "if last_block[0] == 0:\n" + E12 + "if tid == 0:\n" + E16 + "st[blk, 13] = gtimer()\n" + E12 + "return\n"),
+    (E8 + "cuda.threadfence()\n" + E8 + "if tid == 0:\n" + E12 + "arrivals[kv_head] = 0",
+     E8 + "cuda.threadfence()\n" + E8 + "if tid == 0:\n" + E12 + "st[blk, 11] = gtimer()\n"
+     + E12 + "arrivals[kv_head] = 0"),
+    (E16 + "out[head * head_dim + OCTET * octet + e] = merged[e] * inverse\n",
+     E16 + "out[head * head_dim + OCTET * octet + e] = merged[e] * inverse\n" + E8 + "if tid == 0:\n"
+     + E12 + "st[blk, 12] = gtimer()\n" + E8 + "cuda.syncthreads()\n" + E8 + "if tid == 0:\n"
+     + E12 + "st[blk, 13] = gtimer()\n"),
 ]
 
 

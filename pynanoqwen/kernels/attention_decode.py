@@ -86,10 +86,10 @@ from ..launch import launch
 from ..ptx.bulk_copy import bulk_copy_to_shared
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, half2_to_float2
+from ..ptx.loads import ld_global_cg_f32, ld_global_cg_v4_f32
 from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
-from ..ptx.relaxed import UNWRITTEN, f32_bits, f32_from_bits, ld_relaxed_gpu_v4_u32, st_relaxed_gpu_v4_u32
 from ..ptx.warp import shfl_xor, syncwarp
 from . import PAGE_SIZE, CompileTarget
 
@@ -98,17 +98,12 @@ CONSUMERS = 4  # consumer warps per block
 # the same to 0.1 us from 16 to 4096 (docs/PERFORMANCE.md).
 STAGES = 16
 MIN_PAGES_PER_SPLIT = 4  # a split's pages at short contexts: fewer splits, fewer partials to merge
-# Split records whose loads the merge keeps in flight together: 12 covers the 8 other active splits
-# of a 512-token context (4 pages a split) in one round trip, at 12 words a split a thread.
+# Split partials whose loads the merge keeps in flight together: 12 covers the 9 active splits of a
+# 512-token context (4 pages a split) in one round trip, at 10 floats a split a thread.
 MERGE_UNROLL = 12
-SLICE = 8  # dims of a head one thread combines and merges: a slice, its dims DIM_SLICES apart
-# A split's record of one head in global memory: its head_dim dims as 16-byte quads, quad q of
-# every slice side by side (so a warp's quads are contiguous), then one quad of (max, sum, 0, 0).
-# Words not yet written read UNWRITTEN.
-ACC_PAD = 8  # floats after each consumer row of partial acc in shared memory: 2-way bank conflicts, not 8
+OCTET = 8  # dims of a head one merging thread owns: two 16-byte loads a split
 MAX_GROUP = 8  # query heads per KV head that fit the mma tile's rows 0..7 (Qwen2.5: 5..8)
 U = np.uint32
-U64 = np.uint64
 
 
 def default_num_splits(num_kv_heads: int, sms: int | None = None) -> int:
@@ -146,7 +141,7 @@ def shared_layout(group: int, head_dim: int, stages: int, consumers: int) -> dic
     page_words = PAGE_SIZE * head_dim // 2
     ring = stages * page_words
     layout = {"k_ring": 0, "v_ring": ring, "partial_acc": 2 * ring}
-    layout["partial_max"] = layout["partial_acc"] + consumers * group * (head_dim + ACC_PAD)
+    layout["partial_max"] = layout["partial_acc"] + consumers * group * head_dim
     layout["partial_sum"] = layout["partial_max"] + consumers * group
     layout["bytes"] = 4 * (layout["partial_sum"] + consumers * group)
     return layout
@@ -163,17 +158,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
     PAGE_BYTES = 4 * PAGE_WORDS  # one (page, kv head) K or V tile: 4 KiB at head_dim 128
     DIM_STEPS = head_dim // 16  # k steps of Q K^T
     DIM_NTILES = head_dim // 8  # n tiles of O
-    DIM_SLICES = head_dim // SLICE  # the combine's and the merge's work items a head
-    QUAD_STRIDE = 4 * DIM_SLICES  # words from one quad of a slice's record to its next
-    RECORD_WORDS = head_dim + 4
-    BATCH_WORDS = SLICE + 2  # a split's words a merging thread reads: its slice's dims, max, sum
-    RECORD_QUADS = RECORD_WORDS // 4
-    BUFFER_WORDS = num_heads * num_splits * RECORD_WORDS  # one launch's records
-    BLOCKS = num_kv_heads * num_splits
-    COUNT_MASK = U64(0xFFFFFFFF)  # launches: the launch count above bit 32, its blocks counted in below
-    NEXT_LAUNCH = U64((1 << 32) - BLOCKS)  # added to BLOCKS - 1 + 1 counted in: count + 1, 0 counted in
-    ACC_STRIDE = head_dim + ACC_PAD
-    UNWRITTEN_WORD = U(UNWRITTEN)
+    DIM_OCTETS = head_dim // OCTET  # the merge's work items a head
     Q_WORDS, O_FLOATS = 2 * DIM_STEPS, 2 * DIM_NTILES  # per lane: Q's A fragments (row gid), O's row gid
     layout = shared_layout(GROUP, head_dim, stages, consumers)
     K_RING, V_RING = layout["k_ring"], layout["v_ring"]
@@ -215,11 +200,11 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                                 full, stage)
 
     @cuda.jit
-    def decode_attention(q, k_pages, v_pages, page_table, pos, out, records, launches):
+    def decode_attention(q, k_pages, v_pages, page_table, pos, out, part_max, part_sum, part_acc, arrivals):
         full = cuda.shared.array(stages, types.uint64)  # stage holds its page's K and V
         empty = cuda.shared.array(stages, types.uint64)  # its consumer is done with the stage
+        last_block = cuda.shared.array(1, types.int32)
         pages_ahead = cuda.shared.array(32, types.int32)  # the producer's next 32 page-table entries
-        buffer_of_launch = cuda.shared.array(1, types.int32)  # 0 or 1: the record buffer this launch writes
         words = cuda.shared.array(0, types.uint32)  # the K and V rings (dynamic shared memory)
         floats = cuda.shared.array(0, types.float32)  # the same memory: partials past the rings
 
@@ -257,19 +242,9 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         grid_dependency_wait()  # q and the K/V row of pos come from the kernel before (launch.py)
 
         if warp == PRODUCER_WARP:
-            # This launch's ticket: which of the two record buffers it uses (the launch count's
-            # parity). Taken after the wait, so the launch before has completed, its last block's
-            # step to the next count included. Its round trip overlaps the copies.
-            ticket = U64(0)
-            if lane == 0:
-                ticket = cuda.atomic.add(launches, 0, U64(1))
-                if ticket & COUNT_MASK == BLOCKS - 1:  # the last block of this launch: the next count
-                    cuda.atomic.add(launches, 0, NEXT_LAUNCH)
             for i in range(early, num_pages):
                 fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page,
                            num_pages, i, lane)
-            if lane == 0:
-                buffer_of_launch[0] = np.int32((ticket >> U64(32)) & U64(1))
         else:
             # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
             # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1 (rows gid + 8 are zero).
@@ -363,94 +338,89 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 slot = warp * GROUP + gid
                 for j in range(DIM_NTILES):
                     for e in range(2):
-                        floats[P_ACC + slot * ACC_STRIDE + 8 * j + 2 * tq + e] = acc[2 * j + e]
+                        floats[P_ACC + slot * head_dim + 8 * j + 2 * tq + e] = acc[2 * j + e]
                 if tq == 0:
                     floats[P_MAX + slot] = running_max
                     floats[P_SUM + slot] = running_sum
         launch_dependents()
         cuda.syncthreads()
-        now = buffer_of_launch[0] * BUFFER_WORDS
-        before = (1 - buffer_of_launch[0]) * BUFFER_WORDS
-        # This block's records in the other buffer, which the launch before wrote and its merging
-        # block read before that launch completed: UNWRITTEN again for the launch after this one.
-        for o in range(tid, GROUP * RECORD_QUADS, THREADS):
-            at = before + ((kv_head * GROUP + o // RECORD_QUADS) * num_splits + split) * RECORD_WORDS
-            st_relaxed_gpu_v4_u32(records, at + 4 * (o % RECORD_QUADS), UNWRITTEN_WORD, UNWRITTEN_WORD, UNWRITTEN_WORD,
-                                  UNWRITTEN_WORD)
-        if num_pages == 0:
+
+        # This split's partial per head: the consumers' (max, sum, acc) rescaled to their common max.
+        # A consumer without pages has max -inf: weight 0.
+        if num_pages > 0:
+            for o in range(tid, GROUP * head_dim, THREADS):
+                row, dim = o // head_dim, o % head_dim
+                merged_max = NEG_INF
+                for w in range(consumers):
+                    merged_max = max(merged_max, floats[P_MAX + w * GROUP + row])
+                value, total = ZERO, ZERO
+                for w in range(consumers):
+                    weight = math.exp2(floats[P_MAX + w * GROUP + row] - merged_max)
+                    value += floats[P_ACC + (w * GROUP + row) * head_dim + dim] * weight
+                    total += floats[P_SUM + w * GROUP + row] * weight
+                slot = (kv_head * GROUP + row) * num_splits + split
+                part_acc[slot * head_dim + dim] = value
+                if dim == 0:
+                    part_max[slot] = merged_max
+                    part_sum[slot] = total
+
+        # Publish the partials GPU-wide, then count this block in; the last of the KV head's
+        # blocks to arrive sees every other block's partials.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            last_block[0] = cuda.atomic.add(arrivals, kv_head, 1) == num_splits - 1
+        cuda.syncthreads()
+        if last_block[0] == 0:
             return
+        cuda.threadfence()
+        if tid == 0:
+            arrivals[kv_head] = 0  # every block of this launch has counted; ready for the next
 
-        # This split's partial, each thread a (head, slice): the consumers' (max, sum, acc) rescaled
-        # to their common max. A consumer without pages has max -inf: weight 0. Slice j of a head is
-        # its dims j + DIM_SLICES e, e < 8: consecutive threads read consecutive dims of shared memory.
-        # Every split but the last active one stores its partial as a record and is done; the last
-        # one folds the others' records into its own partial as they arrive and writes attn.
+        # One pass over the active splits: each thread owns OCTET dims of one head and, per batch of
+        # MERGE_UNROLL splits, issues every load of the batch (max, sum and its dims of the partial)
+        # at once, then folds the batch into a running (max, sum, acc) with the online softmax's
+        # rescaling. One L2 round trip a batch; the two-pass merge it replaces (maxima and sums to
+        # shared memory, the splits' weights, then the partials) paid two and two block barriers.
         active = (pages_used + pages_per_split - 1) // pages_per_split
-        merging = split == active - 1
-        mine = cuda.local.array(SLICE, types.float32)
-        batch = cuda.local.array((MERGE_UNROLL, BATCH_WORDS), types.uint32)
-        for o in range(tid, GROUP * DIM_SLICES, THREADS):
-            row, j = o // DIM_SLICES, o % DIM_SLICES
+        maxes = cuda.local.array(MERGE_UNROLL, types.float32)
+        sums = cuda.local.array(MERGE_UNROLL, types.float32)
+        values = cuda.local.array((MERGE_UNROLL, OCTET), types.float32)
+        merged = cuda.local.array(OCTET, types.float32)
+        for o in range(tid, GROUP * DIM_OCTETS, THREADS):
+            row, octet = o // DIM_OCTETS, o % DIM_OCTETS
             head = kv_head * GROUP + row
-            block_max = NEG_INF
-            for w in range(consumers):
-                block_max = max(block_max, floats[P_MAX + w * GROUP + row])
-            block_sum = ZERO
-            for e in range(SLICE):
-                mine[e] = ZERO
-            for w in range(consumers):
-                weight = math.exp2(floats[P_MAX + w * GROUP + row] - block_max)
-                block_sum += floats[P_SUM + w * GROUP + row] * weight
-                for e in range(SLICE):
-                    mine[e] += floats[P_ACC + (w * GROUP + row) * ACC_STRIDE + j + DIM_SLICES * e] * weight
-            if not merging:
-                at = now + (head * num_splits + split) * RECORD_WORDS
-                for quad in range(2):
-                    st_relaxed_gpu_v4_u32(records, at + quad * QUAD_STRIDE + 4 * j, f32_bits(mine[4 * quad]),
-                                          f32_bits(mine[4 * quad + 1]), f32_bits(mine[4 * quad + 2]),
-                                          f32_bits(mine[4 * quad + 3]))
-                if j == 0:
-                    st_relaxed_gpu_v4_u32(records, at + head_dim, f32_bits(block_max), f32_bits(block_sum), U(0),
-                                          U(0))
-                continue
-
-            # The merge: an online softmax across splits, from this split's own partial. Per batch
-            # of MERGE_UNROLL splits every load of the batch is in flight at once (the max and sum
-            # of a (head, split) are one 16-byte word all 16 threads of the head load); a batch in
-            # which some word still reads UNWRITTEN (its split is not done) is loaded again.
-            merged_max, merged_sum = block_max, block_sum
-            others = active - 1
-            for first in range(0, others, MERGE_UNROLL):
-                arrived = False
-                while not arrived:
-                    arrived = True
-                    for u in range(MERGE_UNROLL):
-                        # Past the end: re-read the last split's record, given weight 0 below.
-                        at = now + (head * num_splits + min(first + u, others - 1)) * RECORD_WORDS
-                        for quad in range(2):
-                            (batch[u, 4 * quad], batch[u, 4 * quad + 1], batch[u, 4 * quad + 2],
-                             batch[u, 4 * quad + 3]) = ld_relaxed_gpu_v4_u32(records, at + quad * QUAD_STRIDE + 4 * j)
-                        batch[u, SLICE], batch[u, SLICE + 1], _, _ = ld_relaxed_gpu_v4_u32(records, at + head_dim)
-                        if first + u < others:
-                            for e in range(BATCH_WORDS):
-                                arrived = arrived and batch[u, e] != UNWRITTEN_WORD
+            for e in range(OCTET):
+                merged[e] = ZERO
+            merged_max, merged_sum = NEG_INF, ZERO
+            for first in range(0, active, MERGE_UNROLL):
+                for u in range(MERGE_UNROLL):
+                    # Past the end: re-read the last split (finite values) with max -inf, weight 0.
+                    sp = min(first + u, active - 1)
+                    slot = head * num_splits + sp
+                    maxes[u] = ld_global_cg_f32(part_max, slot) if first + u < active else NEG_INF
+                    sums[u] = ld_global_cg_f32(part_sum, slot)
+                    for half in range(OCTET // 4):
+                        at = slot * head_dim + OCTET * octet + 4 * half
+                        (values[u, 4 * half], values[u, 4 * half + 1], values[u, 4 * half + 2],
+                         values[u, 4 * half + 3]) = ld_global_cg_v4_f32(part_acc, at)
                 batch_max = merged_max
                 for u in range(MERGE_UNROLL):
-                    if first + u < others:
-                        batch_max = max(batch_max, f32_from_bits(batch[u, SLICE]))
-                correction = math.exp2(merged_max - batch_max)
+                    batch_max = max(batch_max, maxes[u])
+                # An active split's max is finite (it had a key in the context), so batch_max is too.
+                correction = math.exp2(merged_max - batch_max)  # 0 on the first batch (-inf)
                 merged_max = batch_max
                 merged_sum *= correction
-                for e in range(SLICE):
-                    mine[e] *= correction
+                for e in range(OCTET):
+                    merged[e] *= correction
                 for u in range(MERGE_UNROLL):
-                    weight = math.exp2(f32_from_bits(batch[u, SLICE]) - batch_max) if first + u < others else ZERO
-                    merged_sum += f32_from_bits(batch[u, SLICE + 1]) * weight
-                    for e in range(SLICE):
-                        mine[e] += f32_from_bits(batch[u, e]) * weight
+                    weight = math.exp2(maxes[u] - batch_max)
+                    merged_sum += sums[u] * weight
+                    for e in range(OCTET):
+                        merged[e] += values[u, e] * weight
             inverse = np.float32(1.0) / merged_sum
-            for e in range(SLICE):
-                out[head * head_dim + j + DIM_SLICES * e] = mine[e] * inverse
+            for e in range(OCTET):
+                out[head * head_dim + OCTET * octet + e] = merged[e] * inverse
 
     return decode_attention
 
@@ -468,11 +438,10 @@ class DecodeAttention:
         self.block = 32 * (consumers + 1)
         self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, stages,
                                           consumers)["bytes"]
-        # Two buffers of every split's records, UNWRITTEN until a split writes them: a launch writes
-        # one and resets its blocks' records in the other; `launches` counts launches (bits 32 up)
-        # and the blocks of the current one (bits 0-31), so its parity names the buffer.
-        self.records = cuda.to_device(np.full(2 * num_heads * num_splits * (head_dim + 4), UNWRITTEN, np.uint32))
-        self.launches = cuda.to_device(np.zeros(1, np.uint64))
+        self.part_max = cuda.device_array(num_heads * num_splits, np.float32)
+        self.part_sum = cuda.device_array(num_heads * num_splits, np.float32)
+        self.part_acc = cuda.device_array(num_heads * num_splits * head_dim, np.float32)
+        self.arrivals = cuda.to_device(np.zeros(num_kv_heads, np.int32))  # the kernel resets it
 
     def launch(self, stream, q, k_pages, v_pages, page_table, pos, out) -> None:
         """attn `out` of the token at position pos[0]; every array on the device; no allocation.
@@ -488,20 +457,20 @@ class DecodeAttention:
             if tuple(shape) != wanted:
                 raise ValueError(f"decode attention: {name} has shape {tuple(shape)}, expected {wanted}")
         launch(self.kernel, self.grid, self.block, stream,
-               (q, k_pages, v_pages, page_table, pos, out, self.records, self.launches),
-               shared_bytes=self.shared_bytes)
+               (q, k_pages, v_pages, page_table, pos, out, self.part_max, self.part_sum, self.part_acc,
+                self.arrivals), shared_bytes=self.shared_bytes)
 
 
 def compile_targets() -> list[CompileTarget]:
     """The 7B shape (28 q heads over 4 KV heads, head_dim 128, 33 splits) and the simulator test's."""
     pages = types.float16[:, :, :, ::1]
+    flat = types.float32[::1]
     signature = types.void(types.float32[:, ::1], pages, pages, types.int32[::1], types.int32[::1],
-                           types.float16[::1], types.uint32[::1], types.uint64[::1])
+                           types.float16[::1], flat, flat, flat, types.int32[::1])
     must_contain = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                     "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ld.relaxed.gpu.global.v4.u32",
-                    "st.relaxed.gpu.global.v4.u32", "ex2.approx.f32",
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ld.global.cg.v4.f32", "ex2.approx.f32",
                     "griddepcontrol.wait")
     return [CompileTarget(f"decode_attention[{heads}/{kv_heads}x{head_dim}, {splits} splits]",
                           _build_kernel(heads, kv_heads, head_dim, splits, STAGES, CONSUMERS, MIN_PAGES_PER_SPLIT),
