@@ -12,8 +12,8 @@ It is correct because a fence is cumulative (PTX ISA, memory consistency model):
 orders the other threads' stores before thread 0's fence, so the fence publishes them with its own,
 and the last block's threads read the partials only after the barrier that follows thread 0's
 second fence. What it may save: 159 of the 160 threads' fences, if the fence's cost is per thread
-and not the one wait for the SM's stores to reach L2 that every fence shares. The prediction is
-open either way: up to ~1 us a launch, or nothing.
+and not the one wait for the SM's stores to reach L2 that every fence shares. Measured on the H200
+(2026-12-03, docs/PERFORMANCE.md): nothing, so the cost is the shared wait.
 
 The variant is the product's source with the edit below applied at import (its anchor must occur
 once, so a change of the product's kernel stops this script instead of measuring something else).
