@@ -3,6 +3,8 @@
 - `StepState`: everything that changes between steps, in device memory, so that one captured graph
   serves every step: the position, the tokens (the embedding reads tokens[pos], the sampler writes
   tokens[pos + 1] and advances pos), the page table and its allocator, the sampling parameters.
+  The allocator's free list is 0, 1, 2, ... except while a request runs in a prefix-cache lease
+  (CudaBackend.generate_paged).
 - `Activations`: one token's activations, from the residual stream h to the logits.
 - `KvPool`: the paged FP16 KV cache of every layer, PAGE_SIZE positions a page.
 - `PrefillRows`: the prefill activations of one bucket of rows, views of the largest bucket's.
@@ -28,7 +30,8 @@ class StepState:
     pos: object  # int32 [1]: the position of the token being computed
     tokens: object  # int32 [max_context + 1]: the prompt, then each sampled token
     page_table: object  # int32 [max_pages]: logical page -> physical page of the pool
-    next_free_page: object  # int32 [1]: the bump allocator of kernels/page_alloc.py
+    free_pages: object  # int32 [max_pages]: the physical pages kernels/page_alloc.py hands out, in order
+    next_free_page: object  # int32 [1]: how many of free_pages are taken
     sampling: object  # float32 [2]: temperature, top_p (kernels/sampling.device_params)
     top_k: object  # int32 [1]
     seed: object  # uint64 [1]
@@ -83,7 +86,9 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
     """Every buffer of the module docstring for `max_context` positions and these prefill buckets."""
     pages = max_pages(max_context)
     state = StepState(pos=cuda.device_array(1, np.int32), tokens=cuda.device_array(max_context + 1, np.int32),
-                      page_table=cuda.device_array(pages, np.int32), next_free_page=cuda.device_array(1, np.int32),
+                      page_table=cuda.device_array(pages, np.int32),
+                      free_pages=cuda.to_device(np.arange(pages, dtype=np.int32), stream=stream),
+                      next_free_page=cuda.device_array(1, np.int32),
                       sampling=cuda.device_array(2, np.float32), top_k=cuda.device_array(1, np.int32),
                       seed=cuda.device_array(1, np.uint64))
     act = Activations(h=cuda.device_array(cfg.hidden_size, np.float32),

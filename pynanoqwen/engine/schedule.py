@@ -135,7 +135,8 @@ class DecodeOps:
 
     def page_alloc(self, new_page: bool) -> list[Launch]:
         s = self.state
-        return [self._launch("page_alloc", None, self.kernels.page_alloc.launch, (s.pos, s.page_table, s.next_free_page),
+        return [self._launch("page_alloc", None, self.kernels.page_alloc.launch,
+                             (s.pos, s.page_table, s.free_pages, s.next_free_page),
                              {"page_table": s.page_table, "next_free_page": s.next_free_page}, 16)] if new_page else []
 
     def embedding(self) -> Launch:
@@ -225,7 +226,7 @@ class PrefillOps(DecodeOps):
     def page_alloc(self, new_page: bool) -> list[Launch]:
         s = self.state
         return [self._launch("page_alloc", None, self.kernels.page_alloc_range.launch,
-                             (self.start, self.m, s.page_table, s.next_free_page),
+                             (self.start, self.m, s.page_table, s.free_pages, s.next_free_page),
                              {"page_table": s.page_table, "next_free_page": s.next_free_page}, 16)]
 
     def embedding(self) -> Launch:

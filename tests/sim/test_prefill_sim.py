@@ -55,22 +55,32 @@ def test_rmsnorm_rows_matches_float64_per_row():
 
 
 def test_page_alloc_range_over_chunks_builds_the_table_decode_would():
+    """Chunks from position `cached` (0, or the pages a prefix-cache lease reuses, already in the
+    table), over a shuffled free list: the table m decode steps would build, taken in list order."""
     rng = np.random.default_rng()
     max_pages = 20
     for _ in range(3):
-        n = int(rng.integers(1, max_pages * PAGE_SIZE))
-        cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 5))), replace=False))
+        cached = PAGE_SIZE * int(rng.integers(0, 4))
+        n = int(rng.integers(cached + 1, max_pages * PAGE_SIZE))
+        inner = np.arange(cached + 1, n)
+        cuts = np.sort(rng.choice(inner, size=min(len(inner), int(rng.integers(0, 5))), replace=False))
         sentinel = rng.integers(1000, 2000, max_pages).astype(np.int32)  # stale entries of a former sequence
-        table, free = cuda.to_device(sentinel), cuda.to_device(np.zeros(1, np.int32))
+        free_pages = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
+        table, taken = cuda.to_device(sentinel), cuda.to_device(np.zeros(1, np.int32))
         alloc = make_page_alloc_range()
-        for start, end in zip([0, *cuts], [*cuts, n]):
-            run(lambda s: alloc.launch(s, device_int(int(start)), device_int(int(end - start)), table, free))
+        for start, end in zip([cached, *cuts], [*cuts, n]):
+            run(lambda s: alloc.launch(s, device_int(int(start)), device_int(int(end - start)), table, free_pages,
+                                       taken))
         # Decode: page_alloc at every position that starts a page, one step at a time.
-        decode_table, decode_free = cuda.to_device(sentinel), cuda.to_device(np.zeros(1, np.int32))
-        for position in range(0, n, PAGE_SIZE):
-            run(lambda s: make_page_alloc().launch(s, device_int(position), decode_table, decode_free))
+        decode_table, decode_taken = cuda.to_device(sentinel), cuda.to_device(np.zeros(1, np.int32))
+        for position in range(cached, n, PAGE_SIZE):
+            run(lambda s: make_page_alloc().launch(s, device_int(position), decode_table, free_pages, decode_taken))
         np.testing.assert_array_equal(table.copy_to_host(), decode_table.copy_to_host())
-        assert free.copy_to_host()[0] == decode_free.copy_to_host()[0] == -(-n // PAGE_SIZE)
+        np.testing.assert_array_equal(table.copy_to_host()[:cached // PAGE_SIZE], sentinel[:cached // PAGE_SIZE])
+        started = -(-n // PAGE_SIZE) - cached // PAGE_SIZE
+        np.testing.assert_array_equal(table.copy_to_host()[cached // PAGE_SIZE:-(-n // PAGE_SIZE)],
+                                      free_pages.copy_to_host()[:started])
+        assert taken.copy_to_host()[0] == decode_taken.copy_to_host()[0] == started
 
 
 def test_chunked_kv_write_leaves_the_pages_decode_would():
@@ -85,6 +95,7 @@ def test_chunked_kv_write_leaves_the_pages_decode_would():
     shape = (pages, kv_heads, PAGE_SIZE, head_dim)
     init = rng.standard_normal(shape).astype(np.float16)
 
+    free_pages = cuda.to_device(np.arange(pages, dtype=np.int32))
     table, free = cuda.to_device(np.zeros(pages, np.int32)), cuda.to_device(np.zeros(1, np.int32))
     k_rows, v_rows = cuda.to_device(init), cuda.to_device(init)
     q_rows = cuda.device_array((rows, heads, head_dim), np.float32)
@@ -93,7 +104,7 @@ def test_chunked_kv_write_leaves_the_pages_decode_would():
         chunk[:end - start] = qkv[start:end]
         chunk[end - start:] = rng.standard_normal((rows - (end - start), qkv.shape[1]))  # padding: must not land
         first, m = device_int(start), device_int(end - start)
-        run(lambda s: make_page_alloc_range().launch(s, first, m, table, free))
+        run(lambda s: make_page_alloc_range().launch(s, first, m, table, free_pages, free))
         run(lambda s: make_rope_kv_write(heads, kv_heads, head_dim).launch_rows(
             s, cuda.to_device(chunk), cos, sin, first, m, table, q_rows, k_rows, v_rows))
 
@@ -103,7 +114,7 @@ def test_chunked_kv_write_leaves_the_pages_decode_would():
     for position in range(n):
         pos = device_int(position)
         if position % PAGE_SIZE == 0:
-            run(lambda s: make_page_alloc().launch(s, pos, decode_table, decode_free))
+            run(lambda s: make_page_alloc().launch(s, pos, decode_table, free_pages, decode_free))
         run(lambda s: make_rope_kv_write(heads, kv_heads, head_dim).launch(
             s, cuda.to_device(qkv[position]), cos, sin, pos, decode_table, q_step, k_steps, v_steps))
     np.testing.assert_array_equal(table.copy_to_host(), decode_table.copy_to_host())

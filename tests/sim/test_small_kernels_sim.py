@@ -53,15 +53,16 @@ def test_rmsnorm_matches_float64(hidden):
 def test_page_alloc_maps_the_new_page_to_the_next_free_one():
     rng = np.random.default_rng()
     table = rng.integers(0, 100, 8).astype(np.int32)
+    free_pages = rng.permutation(100).astype(np.int32)  # a lease's order, not 0, 1, 2, ...
     logical = int(rng.integers(0, 8))
-    free = int(rng.integers(0, 100))
-    d_table, d_free = cuda.to_device(table), cuda.to_device(np.array([free], np.int32))
+    taken = int(rng.integers(0, 99))
+    d_table, d_taken = cuda.to_device(table), cuda.to_device(np.array([taken], np.int32))
     run(lambda s: make_page_alloc().launch(s, cuda.to_device(np.array([logical * PAGE_SIZE], np.int32)),
-                                           d_table, d_free))
+                                           d_table, cuda.to_device(free_pages), d_taken))
     expected = table.copy()
-    expected[logical] = free
+    expected[logical] = free_pages[taken]
     np.testing.assert_array_equal(d_table.copy_to_host(), expected)
-    assert d_free.copy_to_host()[0] == free + 1
+    assert d_taken.copy_to_host()[0] == taken + 1
 
 
 # ------------------------------------------------------------------------------------------------
