@@ -34,6 +34,7 @@ class PagedCpuBackend(CpuBackend):
     """The numpy reference with a paged copy of its KV cache (prefix_cache.PagedBackend)."""
 
     page_size = PAGE_SIZE
+    min_prefill = 1  # every prompt runs in page-aligned chunks: any number of rows rounds alike
 
     def __init__(self, model):
         super().__init__(model)

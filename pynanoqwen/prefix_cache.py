@@ -20,8 +20,10 @@ This module owns no KV data: it hands out page ids and takes back what the backe
         overwritten cached pages are dropped, the new full reusable pages are registered, the
         rest goes back to the free list.
 
-At least one prompt token is always left to prefill (the logits of the last prompt token are what
-the first sampled token comes from), so a prompt reuses at most (len - 1) // page_size pages.
+At least `min_prefill` prompt tokens are always left to prefill: one, because the logits of the last
+prompt token are what the first sampled token comes from, or more where the backend's prefill
+computes a few rows in other arithmetic than many (the GPU engine, engine/backend.py). A prompt
+reuses at most (len - min_prefill) // page_size pages.
 
 Pages in use by a lease are pinned (a reference count): they are neither handed out as allocatable
 nor reused by another lease until it is committed. Eviction is least recently used; a request's
@@ -65,7 +67,8 @@ class PageLease:
 class PagedBackend(Protocol):
     """What a generate.Backend adds to serve with the prefix cache (server/scheduler.py).
 
-    generate_paged is generate.Backend.generate with the KV cache in the lease's pages:
+    generate_paged is generate.Backend.generate with the KV cache in the lease's pages (made by
+    PrefixCache(num_pages, page_size, min_prefill)):
     - positions 0 .. lease.cached_tokens - 1 are already in the pages lease.reused, in order;
       the backend must not recompute them and must not write those pages;
     - logical page j >= len(lease.reused) is lease.allocatable[j - len(lease.reused)];
@@ -79,6 +82,7 @@ class PagedBackend(Protocol):
 
     page_size: int   # positions per KV page
     num_pages: int   # pages in the pool the lease's page ids index
+    min_prefill: int  # the fewest prompt tokens a lease must leave it to run (PrefixCache)
 
     def generate_paged(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
                        stop_ids: frozenset[int], lease: PageLease,
@@ -112,11 +116,13 @@ def page_keys(tokens: Sequence[int], pages: int, page_size: int, known: Sequence
 class PrefixCache:
     """Full KV pages of earlier requests, by hash-chain key, in a pool of `num_pages` page ids."""
 
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages {num_pages} and page_size {page_size} must be positive")
+    def __init__(self, num_pages: int, page_size: int, min_prefill: int = 1):
+        if num_pages < 1 or page_size < 1 or min_prefill < 1:
+            raise ValueError(f"num_pages {num_pages}, page_size {page_size} and min_prefill {min_prefill} "
+                             f"must be positive")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.min_prefill = min_prefill
         self._free: collections.deque[int] = collections.deque(range(num_pages))
         # key -> page id of every cached page, least recently used first.
         self._cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -139,7 +145,7 @@ class PrefixCache:
                              f"does not fit {self.num_pages} pages of {size}")
         keys = page_keys(prompt_ids, len(prompt_ids) // size, size)
         reused: list[int] = []
-        for key in keys[:(len(prompt_ids) - 1) // size] if reuse else ():
+        for key in keys[:max(0, len(prompt_ids) - self.min_prefill) // size] if reuse else ():
             page = self._cached.get(key)
             if page is None or self._pins[page]:
                 break

@@ -138,13 +138,15 @@ def test_rope_kv_write_7b():
 def test_page_alloc_on_the_gpu():
     rng = np.random.default_rng()
     table = rng.integers(0, 2048, 2048).astype(np.int32)
-    d_table, d_free = cuda.to_device(table), cuda.to_device(np.array([5], np.int32))
+    free_pages = rng.permutation(2048).astype(np.int32)
+    d_table, d_free_pages, d_taken = cuda.to_device(table), cuda.to_device(free_pages), cuda.to_device(
+        np.array([5], np.int32))
     for step, logical in enumerate((0, 1, 2047)):
         run(lambda s: make_page_alloc().launch(s, cuda.to_device(np.array([logical * PAGE_SIZE], np.int32)),
-                                               d_table, d_free))
-        table[logical] = 5 + step
+                                               d_table, d_free_pages, d_taken))
+        table[logical] = free_pages[5 + step]
     np.testing.assert_array_equal(d_table.copy_to_host(), table)
-    assert d_free.copy_to_host()[0] == 8
+    assert d_taken.copy_to_host()[0] == 8
 
 
 # -- sampling at the 7B vocabulary, default (GPU) block shapes
@@ -504,16 +506,22 @@ def test_kv_cache_size_of_7b_at_32k_context():
     assert needed["rope tables"] == 2 * 32768 * 64 * 4
 
 
-@pytest.mark.parametrize("tokens", [1, 15, 16, 2047, 2048, 2049, 4096, 5000])
-def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens):
-    """The batched prefill's chunks (also what prepare() compiles): consecutive, at most the
-    longest bucket each, covering every token once, the last one sampling by the method."""
+@pytest.mark.parametrize("first", [0, 16, 2032])
+@pytest.mark.parametrize("tokens", [1, 15, 16, 2047, 2048, 2049, 2064, 2065, 4096, 4100, 5000])
+def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens, first):
+    """The batched prefill's chunks (also what prepare() compiles), from position `first` (0, or
+    what a prefix-cache lease reused): consecutive, at most the longest bucket each, covering every
+    token once, the last one sampling by the method; more than SMALL's 16 rows each, unless the
+    whole run is that short (a GEMM of few rows rounds otherwise: docs/DECODE.md)."""
+    if first >= tokens:
+        return
     backend = CudaBackend.__new__(CudaBackend)  # _chunks needs only the buckets: no GPU
     backend.prefill_buckets = prefill_buckets(32768)
-    chunks = backend._chunks(tokens, "argmax")
-    assert [start for start, _, _ in chunks] == list(range(0, tokens, 2048))
-    assert sum(m for _, m, _ in chunks) == tokens and all(1 <= m <= 2048 for _, m, _ in chunks)
+    chunks = backend._chunks(tokens, "argmax", first)
+    assert chunks[0][0] == first and all(a + m == b for (a, m, _), (b, _, _) in zip(chunks, chunks[1:]))
+    assert sum(m for _, m, _ in chunks) == tokens - first and all(1 <= m <= 2048 for _, m, _ in chunks)
     assert [method for _, _, method in chunks] == ["prompt"] * (len(chunks) - 1) + ["argmax"]
+    assert tokens - first <= 16 or all(m > 16 for _, m, _ in chunks)
 
 
 def test_too_little_gpu_memory_is_a_clear_error():

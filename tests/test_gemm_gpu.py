@@ -1,7 +1,8 @@
 """INT4 tensor-core GEMM on the GPU: every 7B linear (with the epilogue prefill uses there) at
 M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, and
 every tile shape bench's GEMM table compares at M = 512; the table itself (bench.gemm_tiles) runs
-once at small shapes.
+once at small shapes. And a row's result is the same bits whichever wgmma tile computes it, at
+whatever M: the engine's prefix cache relies on it (docs/DECODE.md, "Prefix cache").
 
 Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact dequantized weights):
 - the kernel rounds each weight (u - 8) s to FP16 once: u16 mag (scales here are far above the
@@ -113,6 +114,34 @@ def test_gemm_7b_shapes(name, n, k, epilogue, m):
 def test_gemm_tile_variants(name, n, k, epilogue):
     """Every tile shape bench's GEMM table times computes the same function (M = 512)."""
     check_against_float64(name, n, k, epilogue, 512, variants(n, k, epilogue))
+
+
+@pytest.mark.parametrize("name, n, k, epilogue", SHAPES, ids=[s[0] for s in SHAPES])
+def test_a_row_is_the_same_bits_on_every_wgmma_tile_and_m(name, n, k, epilogue):
+    """The first 17 rows of one random problem through every wgmma tile at M = 512, and through
+    the default tiles at M = 17, 200 and 2048: identical bits (mma.sync's SMALL, for M <= 16, is
+    not required to agree and is printed for the record)."""
+    rng = np.random.default_rng()
+    rows = 17
+    x = rng.standard_normal((2048, k)).astype(np.float16)
+    if epilogue == "gate_up_silu":
+        (gate_q, gate_s), (up_q, up_s) = random_int4(rng, n, k), random_int4(rng, n, k)
+        build = lambda tiles: make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=tiles)  # noqa: E731
+        start, args = np.zeros((2048, n), np.float16), {}
+    else:
+        qweight, scales = random_int4(rng, n, k)
+        bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+        build = lambda tiles: make_gemm_int4(n, k, qweight, scales, bias=bias, tiles=tiles)  # noqa: E731
+        start, args = rng.standard_normal((2048, n)).astype(np.float32), {"residual": epilogue == "residual"}
+    runs = {TILE_NAMES[tiles]: run_gemm(build(tiles), x, start.copy(), 512, **args)[:rows]
+            for tiles in variants(n, k, epilogue)}
+    runs.update({f"default at M = {m}": run_gemm(build(None), x, start.copy(), m, **args)[:rows]
+                 for m in (rows, 200, 2048)})
+    small = run_gemm(build(SMALL), x, start.copy(), 16, **args)
+    first_name, first = next(iter(runs.items()))
+    print(f"\n{name}: SMALL's 16 rows equal {first_name}'s: {np.array_equal(small, first[:16])}")
+    for label, result in runs.items():
+        assert np.array_equal(result, first), (name, label, first_name)
 
 
 def test_bench_gemm_table_times_every_tile():

@@ -11,6 +11,14 @@ What it must give, on random models (pynanoqwen/synthetic.py):
    greedy decoding after batched prefill gives the tokens of decoding after token-by-token prefill
    wherever the logits leave no doubt; generate() uses the batched path and allocates nothing once
    its graphs exist; and the time to first token for a 512-token prompt (run with -s to see it).
+3. The prefix cache, at both shapes (CudaBackend.generate_paged): a prompt that shares pages with
+   an earlier one prefills only the rest, from a chunk that starts where the reused pages end; its
+   K/V at every prompt position and its greedy tokens are bit for bit those of a cold run of the
+   same prompt, although the two compute the new rows in chunks of other lengths and starts,
+   through other wgmma tiles. That equality is what lets the engine report full prompt pages as
+   reusable (prefix_cache.PagedBackend). A chunk of 16 rows or fewer would run on mma.sync's SMALL
+   tile, whose sums round otherwise (measured: a 9-row warm chunk gave other K/V bits from its
+   first position); the lease's min_prefill and the chunking keep every chunk above that.
 
 Error bounds (u16 = 2^-11), relative L2 of a logits row, derived by counting the FP16 roundings one
 decoder layer puts on its update, as tests/test_engine_gpu.py does for decode (8 per layer there):
@@ -38,6 +46,7 @@ from numba import cuda
 from pynanoqwen.config import PRESETS
 from pynanoqwen.engine import CudaBackend
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE
+from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.reference import ReferenceModel
 from pynanoqwen.sampling import SamplingParams
 from pynanoqwen.synthetic import SyntheticWeights
@@ -273,3 +282,71 @@ def test_time_to_first_token_512_7b(backend_7b):
     print(f"\n7b TTFT at 512 prompt tokens, median of 5: batched prefill {batched:.1f} ms, "
           f"token by token {by_token:.1f} ms")
     assert batched < by_token
+
+
+# 3. The prefix cache
+
+def warm_against_cold(backend, ids_a: list[int], ids_b: list[int], new_tokens: int = 4) -> dict:
+    """Prompt a, then prompt b in a prefix cache's lease (reusing a's pages where they match),
+    against b run cold: K/V of b's prompt positions, greedy tokens, and the pages b ran in."""
+    cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill)
+    greedy, s = SamplingParams(), backend.stream
+    lease_a = cache.lease(ids_a, len(ids_a) + new_tokens)
+    tokens_a = list(backend.generate_paged(ids_a, greedy, new_tokens, frozenset(), lease_a))
+    cache.commit(lease_a, ids_a + tokens_a)
+    lease_b = cache.lease(ids_b, len(ids_b) + new_tokens)
+    warm = list(backend.generate_paged(ids_b, greedy, new_tokens, frozenset(), lease_b))
+    table = backend.state.page_table.copy_to_host(stream=s)
+    s.synchronize()
+    pages_b = -(-(len(ids_b) + new_tokens - 1) // PAGE_SIZE)
+    assert table[:pages_b].tolist() == lease_b.page_table()[:pages_b], "the lease's pages were not the ones used"
+    k_warm, v_warm = kv_of_positions(backend, len(ids_b), table)
+    cold = list(backend.generate(ids_b, greedy, new_tokens, frozenset()))
+    cold_table = backend.state.page_table.copy_to_host(stream=s)
+    s.synchronize()
+    k_cold, v_cold = kv_of_positions(backend, len(ids_b), cold_table)
+    differ = np.flatnonzero((k_warm != k_cold).any(axis=(0, 2, 3)) | (v_warm != v_cold).any(axis=(0, 2, 3)))
+    return {"prompt_b": len(ids_b), "cached": lease_b.cached_tokens, "reused_pages": lease_b.reused,
+            "kv_identical": not differ.size, "first_differing_position": int(differ[0]) if differ.size else None,
+            "tokens_identical": warm == cold, "warm": warm, "cold": cold}
+
+
+def shared_prefix_prompts(rng, vocab: int, shared: int, len_a: int, len_b: int) -> tuple[list[int], list[int]]:
+    """Two random prompts whose first `shared` tokens are equal and whose next token differs."""
+    a = rng.integers(0, vocab, len_a).tolist()
+    b = a[:shared] + rng.integers(0, vocab, len_b - shared).tolist()
+    if len_b > shared and len_a > shared:
+        b[shared] = (a[shared] + 1) % vocab
+    return a, b
+
+
+@pytest.mark.parametrize("shared, len_a, len_b", [
+    (40, 45, 50),     # 32 reused: an 18-row chunk where the cold run has one of 50
+    (100, 130, 105),  # 80 reused (not 96: 9 rows would run on mma.sync): 25 rows against 64 + 41
+    (300, 400, 310),  # 288 reused: 22 rows against 4 x 64 + 54 cold
+    (64, 64, 200),    # b extends a: its 4 pages reused, chunks of 64, 32, 40 against 64, 64, 32, 40
+    (150, 150, 197),  # 144 reused: 53 rows against 64, 64, 32, 37 cold (a last 5 would be mma.sync)
+    (138, 138, 198),  # a ran as 64, 32, 42; 128 reused: 32, 38 against 64, 64, 32, 38
+])
+def test_a_reused_prefix_gives_the_kv_and_tokens_of_a_cold_run_small(backend_small, shared, len_a, len_b):
+    rng = np.random.default_rng()
+    a, b = shared_prefix_prompts(rng, SMALL.vocab_size, shared, len_a, len_b)
+    result = warm_against_cold(backend_small, a, b)
+    print(f"\nprefix cache, 0.5b: {result}")
+    # Pages wholly inside the shared tokens and a's prompt, leaving b its min_prefill tokens to run.
+    assert result["cached"] == min(shared, len_a, len_b - backend_small.min_prefill) // PAGE_SIZE * PAGE_SIZE > 0
+    assert result["kv_identical"], result["first_differing_position"]
+    assert result["tokens_identical"]
+
+
+@pytest.mark.slow
+def test_a_reused_prefix_gives_the_kv_and_tokens_of_a_cold_run_7b(backend_7b):
+    """3000 tokens, then 2990 of them and 20 more: 2976 reused, a 34-row chunk at 2976 (WG1_T64),
+    against chunks of 2048 and 962 rows cold (WG1_T128, WG2_T128, WG2_T256)."""
+    rng = np.random.default_rng()
+    a, b = shared_prefix_prompts(rng, SEVEN_B.vocab_size, 2990, 3000, 3010)
+    result = warm_against_cold(backend_7b, a, b)
+    print(f"\nprefix cache, 7b: {result}")
+    assert result["cached"] == 2976
+    assert result["kv_identical"], result["first_differing_position"]
+    assert result["tokens_identical"]

@@ -40,6 +40,19 @@ def test_a_shared_prefix_reuses_its_full_pages_and_leaves_a_token_to_prefill():
     assert cache.stats.hit_tokens == 8 + 4 + 4 and cache.stats.leases == 4
 
 
+def test_min_prefill_leaves_that_many_prompt_tokens_to_run():
+    """A backend that must run at least 5 prompt tokens (the GPU engine's is 17) is never leased
+    more cached pages than leave it those."""
+    cache = PrefixCache(num_pages=16, page_size=P, min_prefill=5)
+    run(cache, list(range(24)), [])
+    for length, cached in ((24, 16), (21, 16), (20, 12), (9, 4), (8, 0)):
+        lease = cache.lease(list(range(length)), length + 1)
+        assert lease.cached_tokens == cached and length - lease.cached_tokens >= 5, (length, lease.cached_tokens)
+        cache.commit(lease, list(range(length)))
+    with pytest.raises(ValueError, match="min_prefill"):
+        PrefixCache(num_pages=16, page_size=P, min_prefill=0)
+
+
 def test_free_pages_come_first_then_the_least_recently_used_from_the_tail_of_a_chain():
     cache = PrefixCache(num_pages=6, page_size=P)
     a = run(cache, list(range(12)), [])            # pages of a: a0 a1 a2, 3 pages left free
@@ -108,7 +121,7 @@ def test_warm_requests_write_the_tokens_and_kv_of_cold_ones(weights):
     rng = np.random.default_rng(7)
     base = [int(t) for t in rng.integers(10, 4096, 200)]
     backend = paged_backend(weights)
-    cache = PrefixCache(backend.num_pages, backend.page_size)
+    cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill)
     hits = 0
     other = [int(t) for t in rng.integers(10, 4096, 200)]
     for start, cut, tail, params in [

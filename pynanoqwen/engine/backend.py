@@ -45,7 +45,9 @@ from ..device import device_name, require_gpu
 from ..errors import NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..kernels import GEMV_PATHS, PAGE_SIZE
+from ..kernels.gemm_int4_tiles import SMALL
 from ..kernels.sampling import METHODS, device_params, method_for
+from ..prefix_cache import PageLease
 from ..prompt_lookup import LookupParams, check_device
 from ..sampling import SamplingParams
 from . import buffers as device_buffers
@@ -56,6 +58,7 @@ from .schedule import DecodeOps, Kernels, Launch, PrefillOps, forward_launches, 
 from .weights import load_weights
 
 PREFILL_MODES = ("batched", "decode")
+SMALL_ROWS = SMALL.block_m  # up to this many rows a prefill GEMM runs on mma.sync (gemm_int4_tiles.default_tiles_for)
 
 
 class CudaBackend(EngineProbes):
@@ -104,6 +107,7 @@ class CudaBackend(EngineProbes):
         self.steps = {(method, new_page): forward_launches(self.ops, method, new_page)
                       for method in METHODS for new_page in (False, True)}
         self.graphs, self.prefill_graphs = GraphCache(self.stream), GraphCache(self.stream)
+        self._identity_free_list = True  # state.free_pages is 0, 1, 2, ... (buffers.allocate)
         for method in METHODS:  # compile every kernel: each method's step that starts a page runs them all
             self.reset([0], SamplingParams(temperature=1.0, top_k=2))
             run_all(self.steps[method, True], self.stream)
@@ -152,11 +156,18 @@ class CudaBackend(EngineProbes):
             self.stream.synchronize()
             self.prefill_graphs.capture((rows, method), launches)
 
-    def _chunks(self, n: int, method: str) -> list[tuple[int, int, str]]:
-        """(start, m, method) of each chunk of an n-token prompt: the last samples by `method`."""
+    def _chunks(self, n: int, method: str, first: int = 0) -> list[tuple[int, int, str]]:
+        """(start, m, method) of each chunk of prompt positions first..n-1: the last samples by
+        `method`. Chunks of the longest bucket, but that a last chunk of SMALL_ROWS rows or fewer
+        takes 2 SMALL_ROWS rows from the one before: a chunk of more rows than that runs on the
+        wgmma tiles, of fewer on mma.sync, whose sums round differently (docs/DECODE.md,
+        "Prefix cache")."""
         longest = self.prefill_buckets[-1]
-        return [(start, min(longest, n - start), method if start + longest >= n else "prompt")
-                for start in range(0, n, longest)]
+        starts = list(range(first, n, longest))
+        if len(starts) > 1 and n - starts[-1] <= SMALL_ROWS and longest > 3 * SMALL_ROWS:
+            starts[-1] -= 2 * SMALL_ROWS
+        ends = starts[1:] + [n]
+        return [(start, end - start, method if end == n else "prompt") for start, end in zip(starts, ends)]
 
     def prepare(self, prompt_tokens: int, params: SamplingParams) -> None:
         """Compile and capture, before the clock starts, the prefill graphs a prompt of this many
@@ -171,27 +182,30 @@ class CudaBackend(EngineProbes):
                 self._prefill_chunk(0, m, chunk_method)
         self.stream.synchronize()
 
-    def prefill(self, n: int, method: str, *, mode: str | None = None) -> None:
-        """Run the prompt tokens[0:n] (reset() put it there) through the model and sample the
-        token after it, tokens[n], by `method` (kernels/sampling.py); afterwards pos = n and the KV
-        cache holds positions 0..n-1. mode: "batched" (chunks through the GEMMs) or "decode" (one
-        decode step per token); by default the constructor's `prefill`."""
+    def prefill(self, n: int, method: str, *, mode: str | None = None, first: int = 0) -> None:
+        """Run the prompt tokens[first:n] (reset() put it there, and the KV of positions before
+        `first`) through the model and sample the token after it, tokens[n], by `method`
+        (kernels/sampling.py); afterwards pos = n and the KV cache holds positions 0..n-1. mode:
+        "batched" (chunks through the GEMMs) or "decode" (one decode step per token); by default
+        the constructor's `prefill`."""
         mode = mode or self.prefill_mode
         if mode == "decode":
-            for position in range(n - 1):
+            for position in range(first, n - 1):
                 self.step(position, "prompt")
             self.step(n - 1, method)
             return
         if mode != "batched" or not self.prefill_buckets:
             raise ValueError(f"prefill mode {mode!r} is not available (engine built with prefill="
                              f"{self.prefill_mode!r})")
-        for start, m, chunk_method in self._chunks(n, method):
+        for start, m, chunk_method in self._chunks(n, method, first):
             self._prefill_chunk(start, m, chunk_method)
 
     # -- generation ----------------------------------------------------------------------------------
 
-    def reset(self, prompt_ids, params: SamplingParams) -> None:
-        """Start a sequence: the prompt in tokens[0:n], pos 0, an empty KV cache, these params."""
+    def reset(self, prompt_ids, params: SamplingParams, lease: PageLease | None = None) -> None:
+        """Start a sequence: the prompt in tokens[0:n], pos 0, an empty KV cache, these params.
+        With a prefix-cache lease: pos = lease.cached_tokens, the lease's reused pages mapped to the
+        first logical pages, and its allocatable pages as the allocator's free list."""
         ids = np.asarray(prompt_ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise NanoQwenError("the prompt has no tokens")
@@ -202,7 +216,16 @@ class CudaBackend(EngineProbes):
                                 f"the vocabulary [0, {self.config.vocab_size})")
         s, state = self.stream, self.state
         state.tokens[:len(ids)].copy_to_device(ids.astype(np.int32), stream=s)
-        state.pos.copy_to_device(np.zeros(1, np.int32), stream=s)
+        free_pages = np.arange(self.max_pages, dtype=np.int32)
+        if lease is not None:
+            reused, allocatable = np.array(lease.reused, np.int32), np.array(lease.allocatable, np.int32)
+            free_pages[:len(allocatable)] = allocatable
+            if len(reused):
+                state.page_table[:len(reused)].copy_to_device(reused, stream=s)
+        if lease is not None or not self._identity_free_list:  # a lease changed it, or changes it now
+            state.free_pages.copy_to_device(free_pages, stream=s)
+            self._identity_free_list = lease is None
+        state.pos.copy_to_device(np.array([lease.cached_tokens if lease else 0], np.int32), stream=s)
         state.next_free_page.copy_to_device(np.zeros(1, np.int32), stream=s)
         for buffer, value in zip((state.sampling, state.top_k, state.seed), device_params(params)):
             buffer.copy_to_device(value, stream=s)
@@ -231,16 +254,67 @@ class CudaBackend(EngineProbes):
         if max_new_tokens < 1:
             return
         self.prefill(n, method)
+        yield from self._decode_tokens(n, method, max_new_tokens, stop_ids)
+
+    def _decode_tokens(self, n: int, method: str, max_new_tokens: int, stop_ids: frozenset[int],
+                       lease: PageLease | None = None) -> Iterator[int]:
+        """After the prefill of n prompt tokens: yield each sampled id as soon as it is known.
+        lease.written follows the positions whose KV the enqueued steps write."""
         self._request_token(n)
         for i in range(max_new_tokens):
             position = n - 1 + i  # the step whose sampled token is tokens[position + 1]
             if i + 1 < max_new_tokens:
                 self.step(position + 1, method)
                 self._request_token(position + 2)
+                if lease is not None:
+                    lease.written = position + 2
             token = self._wait_token(position + 1)
             yield token
             if token in stop_ids:
                 return
+
+    # -- the prefix cache (prefix_cache.PagedBackend) -------------------------------------------------
+
+    page_size = PAGE_SIZE
+    min_prefill = SMALL_ROWS + 1  # a lease leaves a chunk of more rows than SMALL runs
+
+    @property
+    def num_pages(self) -> int:
+        """The KV pool's pages: what a prefix cache of this engine hands out."""
+        return self.max_pages
+
+    def generate_paged(self, prompt_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                       stop_ids: frozenset[int], lease: PageLease,
+                       lookup: LookupParams = LookupParams()) -> Iterator[int]:
+        """generate() with the KV cache in the lease's pages, prefilling only the prompt's
+        positions after lease.cached_tokens, at least min_prefill of them. Full prompt pages are
+        reported reusable: a position's KV is the same bits whichever chunk of more than
+        SMALL_ROWS rows computes it (docs/DECODE.md, "Prefix cache"), which tests/test_gemm_gpu.py
+        and tests/test_prefill_gpu.py check. Generated positions are not (decode steps round
+        differently from prefill rows), nor is the prompt's partial last page."""
+        check_device(lookup, "cuda")
+        n, cached = len(prompt_ids), lease.cached_tokens
+        if n + max_new_tokens > self.max_context:
+            raise NanoQwenError(f"{n} prompt tokens + {max_new_tokens} new ones exceed max_context "
+                                f"{self.max_context}")
+        if cached >= n:
+            raise ValueError(f"{cached} cached positions leave none of the {n} prompt tokens to run")
+        if len(lease.page_table()) * PAGE_SIZE < n + max_new_tokens or len(lease.page_table()) > self.max_pages:
+            raise ValueError(f"a lease of {len(lease.page_table())} pages cannot hold {n + max_new_tokens} "
+                             f"positions in a pool of {self.max_pages}")
+        method = method_for(params)
+        self.reset(prompt_ids, params, lease)
+        lease.written = lease.reusable = cached
+        # max_new_tokens 0 still runs the prompt: llama.cpp's editors send n_predict 0 to fill the cache.
+        self.prefill(n, method, first=cached, mode="batched" if self.prefill_buckets else "decode")
+        # New full pages are fit for reuse only where every chunk ran on the wgmma tiles.
+        on_wgmma = all(m > SMALL_ROWS for _, m, _ in self._chunks(n, method, cached)) if self.prefill_buckets else False
+        lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if on_wgmma else cached
+        if max_new_tokens < 1:
+            return
+        # Closed early, the generator leaves enqueued steps running: the next request's work
+        # follows them on the same stream, so they finish before it touches their pages.
+        yield from self._decode_tokens(n, method, max_new_tokens, stop_ids, lease)
 
     def bytes_per_step(self, context: int) -> int:
         """Bytes a decode step must read from memory at `context` cached positions: the weights
