@@ -56,7 +56,8 @@ class Direct:
 
     def __init__(self, backend, tokenizer):
         self.backend, self.stop_ids = backend, tokenizer.stop_ids
-        self.cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill) if hasattr(backend, "generate_paged") else None
+        paged = hasattr(backend, "generate_paged")
+        self.cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill) if paged else None
 
     def stamps(self, prompt: list[int], gen_tokens: int) -> list[float]:
         """Seconds from the call to each generated token."""
