@@ -56,8 +56,7 @@ class Direct:
 
     def __init__(self, backend, tokenizer):
         self.backend, self.stop_ids = backend, tokenizer.stop_ids
-        paged = hasattr(backend, "generate_paged")
-        self.cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill) if paged else None
+        self.cache = PrefixCache.for_backend(backend) if hasattr(backend, "generate_paged") else None
 
     def stamps(self, prompt: list[int], gen_tokens: int) -> list[float]:
         """Seconds from the call to each generated token."""

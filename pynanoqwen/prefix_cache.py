@@ -130,6 +130,11 @@ class PrefixCache:
         self._pins: collections.Counter[int] = collections.Counter()
         self.stats = CacheStats()
 
+    @classmethod
+    def for_backend(cls, backend: PagedBackend) -> PrefixCache:
+        """A cache of the backend's whole page pool, leaving it its min_prefill tokens to run."""
+        return cls(backend.num_pages, backend.page_size, backend.min_prefill)
+
     @property
     def cached_pages(self) -> int:
         return len(self._cached)

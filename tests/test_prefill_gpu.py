@@ -289,7 +289,7 @@ def test_time_to_first_token_512_7b(backend_7b):
 def warm_against_cold(backend, ids_a: list[int], ids_b: list[int], new_tokens: int = 4) -> dict:
     """Prompt a, then prompt b in a prefix cache's lease (reusing a's pages where they match),
     against b run cold: K/V of b's prompt positions, greedy tokens, and the pages b ran in."""
-    cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill)
+    cache = PrefixCache.for_backend(backend)
     greedy, s = SamplingParams(), backend.stream
     lease_a = cache.lease(ids_a, len(ids_a) + new_tokens)
     tokens_a = list(backend.generate_paged(ids_a, greedy, new_tokens, frozenset(), lease_a))

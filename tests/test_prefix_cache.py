@@ -121,7 +121,7 @@ def test_warm_requests_write_the_tokens_and_kv_of_cold_ones(weights):
     rng = np.random.default_rng(7)
     base = [int(t) for t in rng.integers(10, 4096, 200)]
     backend = paged_backend(weights)
-    cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill)
+    cache = PrefixCache.for_backend(backend)
     hits = 0
     other = [int(t) for t in rng.integers(10, 4096, 200)]
     for start, cut, tail, params in [

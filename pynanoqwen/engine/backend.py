@@ -107,7 +107,6 @@ class CudaBackend(EngineProbes):
         self.steps = {(method, new_page): forward_launches(self.ops, method, new_page)
                       for method in METHODS for new_page in (False, True)}
         self.graphs, self.prefill_graphs = GraphCache(self.stream), GraphCache(self.stream)
-        self._identity_free_list = True  # state.free_pages is 0, 1, 2, ... (buffers.allocate)
         for method in METHODS:  # compile every kernel: each method's step that starts a page runs them all
             self.reset([0], SamplingParams(temperature=1.0, top_k=2))
             run_all(self.steps[method, True], self.stream)
@@ -218,13 +217,10 @@ class CudaBackend(EngineProbes):
         state.tokens[:len(ids)].copy_to_device(ids.astype(np.int32), stream=s)
         free_pages = np.arange(self.max_pages, dtype=np.int32)
         if lease is not None:
-            reused, allocatable = np.array(lease.reused, np.int32), np.array(lease.allocatable, np.int32)
-            free_pages[:len(allocatable)] = allocatable
-            if len(reused):
-                state.page_table[:len(reused)].copy_to_device(reused, stream=s)
-        if lease is not None or not self._identity_free_list:  # a lease changed it, or changes it now
-            state.free_pages.copy_to_device(free_pages, stream=s)
-            self._identity_free_list = lease is None
+            free_pages[:len(lease.allocatable)] = lease.allocatable
+            if lease.reused:
+                state.page_table[:len(lease.reused)].copy_to_device(np.array(lease.reused, np.int32), stream=s)
+        state.free_pages.copy_to_device(free_pages, stream=s)
         state.pos.copy_to_device(np.array([lease.cached_tokens if lease else 0], np.int32), stream=s)
         state.next_free_page.copy_to_device(np.zeros(1, np.int32), stream=s)
         for buffer, value in zip((state.sampling, state.top_k, state.seed), device_params(params)):
@@ -306,9 +302,9 @@ class CudaBackend(EngineProbes):
         self.reset(prompt_ids, params, lease)
         lease.written = lease.reusable = cached
         # max_new_tokens 0 still runs the prompt: llama.cpp's editors send n_predict 0 to fill the cache.
-        self.prefill(n, method, first=cached, mode="batched" if self.prefill_buckets else "decode")
+        self.prefill(n, method, first=cached)
         # New full pages are fit for reuse only where every chunk ran on the wgmma tiles.
-        on_wgmma = all(m > SMALL_ROWS for _, m, _ in self._chunks(n, method, cached)) if self.prefill_buckets else False
+        on_wgmma = bool(self.prefill_buckets) and all(m > SMALL_ROWS for _, m, _ in self._chunks(n, method, cached))
         lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if on_wgmma else cached
         if max_new_tokens < 1:
             return

@@ -147,7 +147,7 @@ def make_app(backend, model: ModelInfo, *, api_key: str | None, max_queue: int, 
              lookup: LookupParams = LookupParams()):
     """The app serving `backend`; the prefix cache only where the backend keeps paged KV."""
     paged = prefix_cache and hasattr(backend, "generate_paged")
-    cache = PrefixCache(backend.num_pages, backend.page_size, backend.min_prefill) if paged else None
+    cache = PrefixCache.for_backend(backend) if paged else None
     metrics = Metrics(cache)
     return build_app(Scheduler(backend, model.tokenizer, metrics, max_queue, cache, lookup), model, metrics, api_key)
 
