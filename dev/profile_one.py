@@ -1,11 +1,16 @@
-"""Launch one decode kernel a few times at a 7B shape, for Nsight Compute to profile the last launch.
+"""Launch one decode or prefill kernel a few times at a 7B shape, for Nsight Compute to profile the last launch.
 
     ncu --clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats --section MemoryWorkloadAnalysis python dev/profile_one.py down
     python dev/profile_one.py attention --context 32000
+    python dev/profile_one.py gemm --linear gate_up --m 2048 --tile wgmma_128x256
+    python dev/profile_one.py prefill_attention --context 32000 --m 1280
 
-Kernels: qkv_rope, o_proj, gate_up, down, lm_head (default GemvPlans, or --plan R,D,W,B) and
-attention. Random weights and activations; nothing is checked (the tests do that).
+Kernels: qkv_rope, o_proj, gate_up, down, lm_head (default GemvPlans, or --plan R,D,W,B), decode
+attention, the prefill GEMM of one linear (qkv, o_proj, gate_up, down) at M rows on a tile of
+gemm_int4_tiles.TILE_NAMES (default: the engine's for that M), and prefill attention of the last
+M rows of a prompt of --context tokens (the engine's 2048-row kernel). Random weights and
+activations; nothing is checked (the tests do that).
 """
 
 from __future__ import annotations
@@ -19,12 +24,19 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pynanoqwen.bench import layer_linears  # noqa: E402
+from pynanoqwen.config import preset  # noqa: E402
+from pynanoqwen.engine.memory import PREFILL_BUCKETS  # noqa: E402
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
+from pynanoqwen.kernels.attention_prefill import make_prefill_attention  # noqa: E402
+from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4  # noqa: E402
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, default_tiles_for  # noqa: E402
 from pynanoqwen.kernels.gemv_int4 import GemvPlan, make_gate_up_silu, make_gemv_int4  # noqa: E402
 from pynanoqwen.kernels.rope_kv_write import rope_cos_sin  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 3584, 18944, 4608, 152064, 28, 4, 128
 LAUNCHES = 3
+PREFILL_ROWS = PREFILL_BUCKETS[-1]  # the engine's longest prefill chunk
 
 
 def random_int4(rng, n, k):
@@ -32,16 +44,57 @@ def random_int4(rng, n, k):
             rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
 
 
+def gemm_call(args, rng, stream):
+    """One prefill GEMM of a 7B layer's linear, as the engine builds it (epilogue included)."""
+    name, n, kdim, epilogue = next(row for row in layer_linears(preset("7b")) if row[0] == args.linear.replace(
+        "down", "down_proj"))
+    tiles = next(t for t, label in TILE_NAMES.items() if label == args.tile) if args.tile else \
+        default_tiles_for(args.m, n, kdim, epilogue)
+    x = cuda.to_device(rng.standard_normal((args.m, kdim)).astype(np.float16))
+    if epilogue == "gate_up_silu":
+        gemm = make_gate_up_silu_gemm(n, kdim, *random_int4(rng, n, kdim), *random_int4(rng, n, kdim), tiles=tiles)
+        out = cuda.device_array((args.m, n), np.float16)
+    else:
+        bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+        gemm = make_gemm_int4(n, kdim, *random_int4(rng, n, kdim), bias=bias, tiles=tiles)
+        out = cuda.to_device(np.zeros((args.m, n), np.float32))
+    extra = {"residual": True} if epilogue == "residual" else {}
+    print(f"gemm {name} {n}x{kdim} M {args.m} tile {TILE_NAMES.get(tiles, tiles)}")
+    return lambda: gemm.launch(stream, x, out, args.m, **extra)
+
+
+def prefill_attention_call(args, rng, stream):
+    """The engine's prefill attention (M_cap 2048) for rows context - m .. context - 1."""
+    pages = -(-args.context // PAGE_SIZE)
+    attention = make_prefill_attention(HEADS, KV_HEADS, HEAD_DIM, pages)
+    k, v = (cuda.to_device(rng.standard_normal((pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)).astype(np.float16))
+            for _ in range(2))
+    table = cuda.to_device(rng.permutation(pages).astype(np.int32))
+    q = cuda.to_device(rng.standard_normal((PREFILL_ROWS, HEADS, HEAD_DIM)).astype(np.float32))
+    bounds = [cuda.to_device(np.array([value], np.int32)) for value in (args.context - args.m, args.m)]
+    out = cuda.device_array((PREFILL_ROWS, HEADS * HEAD_DIM), np.float16)
+    print(f"prefill attention: rows {args.context - args.m}..{args.context - 1}")
+    return lambda: attention.launch(stream, q, k, v, table, *bounds, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["qkv_rope", "o_proj", "gate_up", "down", "lm_head", "attention"])
+    parser.add_argument("kernel", choices=["qkv_rope", "o_proj", "gate_up", "down", "lm_head", "attention", "gemm",
+                                                  "prefill_attention"])
     parser.add_argument("--plan", help="R,D,W,B of a GemvPlan")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--linear", choices=["qkv", "o_proj", "gate_up", "down"], default="gate_up")
+    parser.add_argument("--m", type=int, default=2048, help="rows of the prefill GEMM or attention chunk")
+    parser.add_argument("--tile", choices=sorted(TILE_NAMES.values()), help="the GEMM's tile")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     stream = cuda.stream()
     plan = GemvPlan(*map(int, args.plan.split(","))) if args.plan else None
-    if args.kernel == "attention":
+    if args.kernel == "gemm":
+        run = gemm_call(args, rng, stream)
+    elif args.kernel == "prefill_attention":
+        run = prefill_attention_call(args, rng, stream)
+    elif args.kernel == "attention":
         pages = -(-args.context // PAGE_SIZE)
         shape = (pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
         k, v = (cuda.to_device(rng.standard_normal(shape).astype(np.float16)) for _ in range(2))

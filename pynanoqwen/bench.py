@@ -220,6 +220,7 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.prefill_lengths:
         progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
         result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
+    chunk_rows = backend.prefill_buckets[-1] if backend.prefill_buckets else 0
     backend.close()
     del backend
     from numba import cuda
@@ -231,6 +232,9 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.gemm_tiles:
         progress("INT4 GEMM tiles at every linear shape, M = 512 and 2048")
         result["gemm"] = gemm_tiles(cfg)
+    if settings.prefill_lengths and chunk_rows:
+        progress(f"prefill attention of one layer in the engine's {chunk_rows}-row chunks")
+        result["prefill_attention"] = prefill_attention_table(cfg, settings.prefill_lengths, chunk_rows)
     if settings.baseline == "torch":
         from .bench_baseline import torch_baseline
 
@@ -315,6 +319,46 @@ def prefill_sweep(backend, lengths, repeats: int, rng) -> list[dict]:
     return rows
 
 
+def prefill_attention_table(cfg: ModelConfig, lengths, chunk_rows: int, launches: int = 2) -> list[dict]:
+    """Causal prefill attention of one layer for a prompt of each length, run as the engine runs it:
+    one kernel with M_cap = chunk_rows over the chunks of engine.backend.prompt_chunks, on a paged
+    K/V pool of random FP16 (speed does not depend on values) behind a shuffled page table. Each
+    chunk is timed in a CUDA graph of `launches` launches; a prompt's figure is the sum over its
+    chunks: us a layer, TFLOP/s of the causal work (kernels.attention_prefill.attention_flops)."""
+    from numba import cuda
+
+    from .engine.backend import prompt_chunks
+    from .gpu_timing import time_graph
+    from .kernels.attention_prefill import attention_flops, make_prefill_attention
+
+    rng = np.random.default_rng(0)
+    stream = cuda.stream()
+    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pages = -(-max(lengths) // PAGE_SIZE)
+    attention = make_prefill_attention(heads, kv_heads, hd, pages)
+    pool = [cuda.to_device(rng.standard_normal((pages, kv_heads, PAGE_SIZE, hd)).astype(np.float16))
+            for _ in range(2)]
+    table = cuda.to_device(rng.permutation(pages).astype(np.int32))
+    q = cuda.to_device(rng.standard_normal((chunk_rows, heads, hd)).astype(np.float32))
+    out = cuda.device_array((chunk_rows, heads * hd), np.float16)
+    timed = {}
+    rows = []
+    for tokens in lengths:
+        chunks = prompt_chunks(tokens, chunk_rows)
+        for start, m in chunks:
+            if (start, m) not in timed:
+                bounds = [cuda.to_device(np.array([v], np.int32)) for v in (start, m)]
+                enqueue = lambda b=bounds: [attention.launch(stream, q, *pool, table, *b, out)  # noqa: E731
+                                            for _ in range(launches)]
+                timed[start, m] = time_graph(stream, enqueue, replays=3) / launches
+        seconds = sum(timed[c] for c in chunks)
+        flops = sum(attention_flops(start, m, heads, hd) for start, m in chunks)
+        rows.append({"tokens": tokens, "chunks": len(chunks), "us_per_layer": seconds * 1e6,
+                     "ms_all_layers": seconds * 1e3 * cfg.num_layers, "tflops": flops / seconds / 1e12,
+                     "peak_tflops": PEAK_TFLOPS})
+    return rows
+
+
 def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
     """(name, N, K, epilogue) of each linear of a decoder layer, as the engine builds them (QKV
     one matrix with bias, gate and up one fused SiLU product, o and down adding to the residual)."""
@@ -361,7 +405,7 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try
                                                       for c in range(calls)], replays=5) / calls
                 rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES.get(tiles, str(tiles)),
                              "default": tiles == default_tiles_for(m, n, k, epilogue), "us": seconds * 1e6,
-                             "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12})
+                             "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12, "peak_tflops": PEAK_TFLOPS})
     return sorted(rows, key=lambda r: r["m"])
 
 

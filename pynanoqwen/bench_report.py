@@ -13,7 +13,10 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     decode_contexts ITL at each context: context, itl_ms {median, p10, p90}, gbs, roofline_share, floor_ms
     gemv       prmt vs dp4a at each linear shape: us and GB/s of each
     prefill    TTFT per prompt length: tokens, ttft_ms {median, p10, p90}, tok_s, tflops, peak_tflops
-    gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops
+    gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops,
+               peak_tflops
+    prefill_attention  one layer's causal prefill attention per prompt length, in the engine's chunks:
+               tokens, chunks, us_per_layer, ms_all_layers, tflops, peak_tflops
     baseline   the same figures for transformers + torch (bf16, static cache, CUDA graph), or absent
 """
 
@@ -67,6 +70,11 @@ def share(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{100 * value:.0f}%" + (" (above the copy roofline: check the measurement)" if value > 1 else "")
+
+
+def _peak_share(row: dict) -> str:
+    """TFLOP/s as a share of the row's peak (results before peak_tflops was recorded: "-")."""
+    return f"{100 * row['tflops'] / row['peak_tflops']:.0f}%" if row.get("peak_tflops") else "-"
 
 
 def _mode_rows(name: str, mode: dict | None) -> list[str]:
@@ -147,10 +155,18 @@ def render_markdown(result: dict) -> str:
             lines.append(f"| {r['tokens']} | {t['median']:.1f} ({t['p10']:.1f}-{t['p90']:.1f}) | {r['tok_s']:.0f} | "
                          f"{r['tflops']:.0f} | {100 * r['tflops'] / r['peak_tflops']:.0f}% |")
     if result.get("gemm"):
-        lines += ["", "| INT4 GEMM (N x K) | M | tile | us | TFLOP/s |", "| --- | ---: | --- | ---: | ---: |"]
+        lines += ["", "| INT4 GEMM (N x K) | M | tile | us | TFLOP/s | share of peak |",
+                  "| --- | ---: | --- | ---: | ---: | ---: |"]
         for g in result["gemm"]:
             lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['m']} | {g['tile']}"
-                         f"{' (default)' if g['default'] else ''} | {g['us']:.1f} | {g['tflops']:.0f} |")
+                         f"{' (default)' if g['default'] else ''} | {g['us']:.1f} | {g['tflops']:.0f} | "
+                         f"{_peak_share(g)} |")
+    if result.get("prefill_attention"):
+        lines += ["", "| prefill attention (prompt tokens) | chunks | us a layer | ms, all layers | TFLOP/s | "
+                      "share of peak |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for a in result["prefill_attention"]:
+            lines.append(f"| {a['tokens']} | {a['chunks']} | {a['us_per_layer']:.1f} | {a['ms_all_layers']:.1f} | "
+                         f"{a['tflops']:.0f} | {_peak_share(a)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 MAX_PAGES = 32768 // PAGE_SIZE
-POOL_PAGES = 300  # holds positions 0..4095 (256 pages) and some pages nothing points to
+POOL_PAGES = 560  # holds positions 0..8191 (512 pages) and some pages nothing points to
 M_CAP = 2048
 
 
@@ -70,7 +70,7 @@ def attention(request):
     return make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, query_tile=request.param)
 
 
-@pytest.mark.parametrize("start, m", [(0, 1), (0, 64), (0, 512), (0, 2048), (2048, 2048)])
+@pytest.mark.parametrize("start, m", [(0, 1), (0, 64), (0, 512), (0, 2048), (2048, 2048), (6144, 2048)])
 def test_prefill_attention_7b_matches_reference(attention, start, m):
     case = Case(np.random.default_rng(start * 4096 + m), start, m)
     stream = cuda.stream()
@@ -92,3 +92,18 @@ def test_prefill_attention_7b_speed_in_graph(attention):
         print(f"\nprefill attention 7B start {start:5d} m {m:5d} (query tile {attention.query_tile}, M_cap {M_CAP}): "
               f"{seconds * 1e6:8.1f} us/call, {flops / 1e9:5.1f} GFLOP -> {flops / seconds / 1e12:6.1f} TFLOP/s")
         case.check()
+
+
+def test_bench_prefill_attention_table_sums_the_engines_chunks():
+    """bench.prefill_attention_table at 7B: a prompt of 2100 tokens is the engine's two chunks
+    (2048, then 52 rows), its time is more than the 512-token prompt's, and no figure beats the
+    tensor cores."""
+    from pynanoqwen.bench import PEAK_TFLOPS, prefill_attention_table
+    from pynanoqwen.config import PRESETS
+
+    short, long = prefill_attention_table(PRESETS["7b"], (512, 2100), M_CAP)
+    print(f"\nprefill attention 7B, one layer: 512 tokens {short['us_per_layer']:.1f} us "
+          f"({short['tflops']:.0f} TFLOP/s), 2100 tokens {long['us_per_layer']:.1f} us ({long['tflops']:.0f})")
+    assert (short["chunks"], long["chunks"]) == (1, 2)
+    assert long["us_per_layer"] > short["us_per_layer"] > 0
+    assert all(0 < row["tflops"] < PEAK_TFLOPS for row in (short, long))

@@ -38,7 +38,9 @@ def fake_result(rng):
         "prefill": [{"tokens": 512, "ttft_ms": bench_report.summarize([30.0, 31.0]), "tok_s": 16800.0,
                      "tflops": 221.0, "peak_tflops": 790.0}],
         "gemm": [{"name": "gate_up", "n": 18944, "k": 3584, "m": 512, "tile": "large", "default": True,
-                  "us": 516.0, "tflops": 269.4}],
+                  "us": 516.0, "tflops": 269.4, "peak_tflops": 790.0}],
+        "prefill_attention": [{"tokens": 8192, "chunks": 4, "us_per_layer": 3210.0, "ms_all_layers": 89.9,
+                               "tflops": 150.4, "peak_tflops": 790.0}],
     }
 
 
@@ -69,7 +71,8 @@ def test_markdown_report_has_every_section():
     assert "| graph |" in text and "| eager |" in text and "| torch |" in text
     assert "GEMV shape" in text and "kernel (one decode step)" in text
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
-    assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 |" in text
+    assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 | 34% |" in text
+    assert "| 8192 | 4 | 3210.0 | 89.9 | 150 | 19% |" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
 

@@ -61,6 +61,17 @@ PREFILL_MODES = ("batched", "decode")
 SMALL_ROWS = SMALL.block_m  # up to this many rows a prefill GEMM runs on mma.sync (gemm_int4_tiles.default_tiles_for)
 
 
+def prompt_chunks(n: int, longest: int, first: int = 0) -> list[tuple[int, int]]:
+    """(start, rows) of each prefill chunk of prompt positions first..n-1: chunks of `longest` rows,
+    but that a last chunk of SMALL_ROWS rows or fewer takes 2 SMALL_ROWS rows from the one before
+    (CudaBackend._chunks says why). bench times prefill attention over these same chunks."""
+    starts = list(range(first, n, longest))
+    if len(starts) > 1 and n - starts[-1] <= SMALL_ROWS and longest > 3 * SMALL_ROWS:
+        starts[-1] -= 2 * SMALL_ROWS
+    ends = starts[1:] + [n]
+    return [(start, end - start) for start, end in zip(starts, ends)]
+
+
 class CudaBackend(EngineProbes):
     """A .nanoqwen model on an NVIDIA GPU (sm_90), decoding through CUDA graphs (backend.GpuEngine)."""
 
@@ -161,12 +172,8 @@ class CudaBackend(EngineProbes):
         takes 2 SMALL_ROWS rows from the one before: a chunk of more rows than that runs on the
         wgmma tiles, of fewer on mma.sync, whose sums round differently (docs/DECODE.md,
         "Prefix cache")."""
-        longest = self.prefill_buckets[-1]
-        starts = list(range(first, n, longest))
-        if len(starts) > 1 and n - starts[-1] <= SMALL_ROWS and longest > 3 * SMALL_ROWS:
-            starts[-1] -= 2 * SMALL_ROWS
-        ends = starts[1:] + [n]
-        return [(start, end - start, method if end == n else "prompt") for start, end in zip(starts, ends)]
+        bounds = prompt_chunks(n, self.prefill_buckets[-1], first)
+        return [(start, m, method if start + m == n else "prompt") for start, m in bounds]
 
     def prepare(self, prompt_tokens: int, params: SamplingParams) -> None:
         """Compile and capture, before the clock starts, the prefill graphs a prompt of this many
