@@ -416,7 +416,7 @@ def compile_targets() -> list[CompileTarget]:
             ("gate_up", intermediate, hidden, "gate_up_silu", WG1_T128, types.float16),
             ("down_proj", hidden, intermediate, "residual", WG2_T128, types.float32),
             ("down_proj", hidden, intermediate, "residual", WG2_T256, types.float32),
-            ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T256, types.float16),
+            ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T128, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
             ("tiny, float16 out", 256, 256, "plain", WG1_T64, types.float16)):
         if isinstance(tiles, WgmmaTile):  # sm_90a; a 256-token tile issues n128 wgmmas

@@ -78,7 +78,7 @@ def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
 
 
 SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
-LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win (bench's GEMM table at M = 2048)
+LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win for o_proj and down_proj (bench, M = 2048)
 
 
 def default_tiles_for(m: int, n: int, k: int, epilogue: str):
@@ -88,7 +88,8 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md, "Prefill GEMM"):
     - qkv: WG1_T64 to SHORT_PROMPT_ROWS, then WG1_T128;
     - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, WG2_T256 from there;
-    - gate_up: WG1_T64 to 64 rows, WG1_T128 below LONG_PROMPT_ROWS, WG2_T256 from there.
+    - gate_up: WG1_T64 to 64 rows, WG1_T128 to SHORT_PROMPT_ROWS, WG2_T128 from there (2026-12-03:
+      280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048).
     Every default is deterministic: split-K, faster for down_proj at 64 and 128 rows, is not one
     (dev/gemm_wgmma_split_k.py). A tile that does not fit the shape (a small model's) falls back
     to SMALL, which serves any M.
@@ -96,7 +97,7 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     if m <= 16:
         return SMALL
     if epilogue == "gate_up_silu":
-        tiles = WG1_T64 if m <= 64 else WG1_T128 if m < LONG_PROMPT_ROWS else WG2_T256
+        tiles = WG1_T64 if m <= 64 else WG1_T128 if m <= SHORT_PROMPT_ROWS else WG2_T128
     elif m <= SHORT_PROMPT_ROWS:
         tiles = WG1_T64
     elif epilogue == "residual":
