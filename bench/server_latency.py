@@ -3,18 +3,20 @@
     python bench/server_latency.py --model FILE [--device cuda|cpu] [--json out.json]
     python bench/server_latency.py --device cpu --prompt-tokens 64 --gen-tokens 16 --context-tokens 200
 
-1. Overhead. The same prompt ids run `repeats` times through the backend in this process
-   (loaded as `serve` loads it, run as its engine runs it: generate_paged with a page lease where
-   the backend has it, else generate, timed as `generate` times it) and through the server
-   (a `serve` subprocess on a free port; streamed /v1/completions with the prompt as token ids,
-   timed at the client from sending the request to each event), in turns. TTFT and ITL are
-   medians; the overhead is server minus direct. Every repeat's prompt starts with a different
-   token, so no run reuses another's KV pages, and both paths prefill every token.
+1. Overhead. The same prompt runs `repeats` times through the backend in this process (loaded
+   as `serve` loads it, run as its engine runs it: generate_paged with a page lease where the
+   backend has it, else generate, timed as `generate` times it, on the ids the server makes of
+   it) and through the server (a `serve` subprocess on a free port; a streamed /infill with
+   return_tokens, which sends an event for every generated id whether its text is complete or
+   not, timed at the client from sending the request to each event), in turns. Events per id
+   matter for a random-weight model, most of whose ids have no text in its small tokenizer.
+   TTFT and ITL are medians; the overhead is server minus direct. Every repeat's prompt starts
+   with another line, so no run reuses another's KV pages, and both paths prefill every token.
 2. Prefix cache. An /infill with ~`context_tokens` of repository context, sent once, then again
    `repeats` times with only the current line (`prompt`, at the end) changed: TTFT of those, the
    prompt tokens the server actually computed (timings.prompt_n), and the same request with
    cache_prompt: false for comparison.
-3. Cancellation. A long streamed generation is dropped after a few tokens; the server's own
+3. Cancellation. A long streamed /infill is dropped after a few tokens; the server's own
    figure (pynanoqwen_cancel_latency_seconds: from noticing the disconnect to the engine being
    free) and the client's: TTFT of a one-token request sent right after the drop, minus its TTFT
    on the idle server.
@@ -39,16 +41,23 @@ from pynanoqwen.bench import git_commit
 from pynanoqwen.generate import resolve_device, resolve_model
 from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.sampling import SamplingParams
+from pynanoqwen.server.prompts import infill_prompt
 from pynanoqwen.server.run import load_model
 
 GREEDY = SamplingParams()
 
 
-def prompt_of(tokenizer, tokens: int, first: int) -> list[int]:
-    """`tokens` ids of Python source, starting with id `first` (a different first token per run)."""
+def prompt_of(tokenizer, tokens: int, run: int) -> str:
+    """About `tokens` tokens of Python source whose first line names the run (no two runs share a page)."""
     source = "".join(f"def step_{i}(state, value):\n    state.total += value * {i}\n    return state\n\n"
                      for i in range(tokens))
-    return [first] + tokenizer.encode(source)[:tokens - 1]
+    return f"# run {run}\n" + tokenizer.decode(tokenizer.encode(source)[:tokens - 8])
+
+
+def infill_body(prefix: str, n_predict: int) -> dict:
+    """A streamed /infill of `prefix` whose every generated id is an event (return_tokens)."""
+    return {"input_prefix": prefix, "input_suffix": "", "n_predict": n_predict, "temperature": 0,
+            "return_tokens": True, "cache_prompt": False}
 
 
 class Direct:
@@ -83,15 +92,18 @@ def streamed(http: httpx.Client, path: str, body: dict) -> tuple[list[float], di
     return stamps, last
 
 
-def overhead_times(direct: Direct, http, model_id, prompts, gen_tokens) -> dict[str, tuple[list, list]]:
+def overhead_times(direct: Direct, http, tokenizer, prompts, gen_tokens) -> dict[str, tuple[list, list]]:
     """TTFTs and inter-token latencies of both paths, run in turns so that both see the same machine;
     the first prompt warms both up and is not counted."""
     times = {"direct": ([], []), "server": ([], [])}
-    for i, prompt in enumerate(prompts):
-        body = {"model": model_id, "prompt": prompt, "max_tokens": gen_tokens, "temperature": 0}
-        runs = {"direct": direct.stamps(prompt, gen_tokens),
-                "server": streamed(http, "/v1/completions", body)[0][:-1]}  # the last event: finish_reason
+    for i, prefix in enumerate(prompts):
+        ids = tokenizer.encode(infill_prompt(prefix, "", (), ""))  # what the server makes of the request
+        runs = {"direct": direct.stamps(ids, gen_tokens),
+                "server": streamed(http, "/infill", infill_body(prefix, gen_tokens))[0][:-1]}  # last: the summary
         for side, stamps in runs.items():
+            if len(stamps) < 2:
+                raise SystemExit(f"error: the {side} run generated {len(stamps)} token(s) of {gen_tokens}: "
+                                 "a stop token came first; try another --prompt-tokens")
             if i:
                 times[side][0].append(stamps[0])
                 times[side][1].extend(b - a for a, b in zip(stamps, stamps[1:]))
@@ -103,7 +115,7 @@ def infill_times(http, tokenizer, context_tokens, repeats) -> dict:
     ids = tokenizer.encode(chunk)
     body = {"input_extra": [{"filename": "helpers.py", "text": tokenizer.decode(ids[:context_tokens - 40])}],
             "input_prefix": "import helpers\n\n\ndef main():\n", "input_suffix": "", "n_predict": 4,
-            "temperature": 0}
+            "temperature": 0, "return_tokens": True}  # so the first event is the first token
     streamed(http, "/infill", {**body, "prompt": "    start = helpers.helper_0(1, 2)"})  # fills the cache
 
     def line(i):  # the edited current line: the only text that differs between requests
@@ -126,19 +138,19 @@ def metric(text: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def cancel_times(http, url, model_id, prompt, max_context, repeats) -> dict:
-    short = {"model": model_id, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    idle = statistics.median(streamed(http, "/v1/completions", short)[0][0] for _ in range(repeats))
+def cancel_times(http, url, prefix, repeats) -> dict:
+    short = infill_body(prefix, 1)
+    idle = statistics.median(streamed(http, "/infill", short)[0][0] for _ in range(repeats))
     after = []
     before = http.get("/metrics").text
     for _ in range(repeats):
-        long = {**short, "max_tokens": max_context - len(prompt), "stream": True}
-        with httpx.Client(base_url=url, timeout=600) as dropped, dropped.stream("POST", "/v1/completions",
+        long = {**infill_body(prefix, -1), "stream": True}  # until the end of the context
+        with httpx.Client(base_url=url, timeout=600) as dropped, dropped.stream("POST", "/infill",
                                                                                json=long) as response:
             response.raise_for_status()
             for _, _ in zip(range(8), response.iter_lines()):  # 4 events: 4 tokens generated
                 pass
-        after.append(streamed(http, "/v1/completions", short)[0][0])
+        after.append(streamed(http, "/infill", short)[0][0])
     now = http.get("/metrics").text
     count, total = (metric(now, f"pynanoqwen_cancel_latency_seconds_{part}")
                     - metric(before, f"pynanoqwen_cancel_latency_seconds_{part}") for part in ("count", "sum"))
@@ -175,13 +187,13 @@ def main(argv=None) -> dict:
     backend, info = load_model(model_path, device, max_context, self_check=False,
                                on_status=lambda line: print(f"[direct] {line}", file=sys.stderr))
     tokenizer, max_context = info.tokenizer, info.max_context
-    prompts = [prompt_of(tokenizer, args.prompt_tokens, first) for first in range(10, 12 + args.repeats)]
+    prompts = [prompt_of(tokenizer, args.prompt_tokens, run) for run in range(2 + args.repeats)]
     server, url = start_server(model_path, device, max_context, args.skip_selfcheck)
     try:
         with httpx.Client(base_url=url, timeout=600) as http:
-            times = overhead_times(Direct(backend, tokenizer), http, info.id, prompts[1:], args.gen_tokens)
+            times = overhead_times(Direct(backend, tokenizer), http, tokenizer, prompts[1:], args.gen_tokens)
             infill = infill_times(http, tokenizer, min(args.context_tokens, max_context - 64), args.repeats)
-            cancel = cancel_times(http, url, info.id, prompts[0][:16], max_context, args.repeats)
+            cancel = cancel_times(http, url, prompts[0][:64], args.repeats)
     finally:
         server.terminate()
         server.wait(timeout=120)

@@ -141,6 +141,12 @@ def test_streamed_infill(server, http):
     assert "".join(e["content"] for e in events) == whole["content"]
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    # With return_tokens every generated id is an event of its own as it comes (llama.cpp's
+    # streamed tokens), even one whose text is not complete yet: what a client times tokens by.
+    with http.stream("POST", "/infill", json={**body, "stream": True, "return_tokens": True}) as response:
+        pieces = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")][:-1]
+    assert [len(e["tokens"]) for e in pieces] == [1] * whole["tokens_predicted"]
+    assert "".join(e["content"] for e in pieces) == whole["content"]
 
 
 def test_the_prefix_cache_reuses_pages_and_changes_nothing(server, http):

@@ -49,6 +49,7 @@ class GenerationRequest:
     n_indent: int = 0                # llama.cpp: end at a line indented less (textstream.py)
     t_max_predict_ms: int = 0        # llama.cpp: past this time, end at the next line break (0: off)
     reuse_cache: bool = True         # llama.cpp's cache_prompt
+    every_token: bool = False        # an event for each generated id, text or not (a streamed return_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +231,7 @@ class Scheduler:
                     reason = "eos"
                     break
                 text = stops.push(decoder.push(token))
-                if text:
+                if text or request.every_token:
                     job.emit(Text(text, tuple(generated[unsent:])))
                     unsent = len(generated)
                 if stops.reason is not None:
