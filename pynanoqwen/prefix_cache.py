@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -105,11 +106,17 @@ class CacheStats:
 
 def page_keys(tokens: Sequence[int], pages: int, page_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
     """The hash-chain keys of the first `pages` full pages of `tokens`, continuing the chain from
-    `known` (the keys of its first pages, already computed)."""
+    `known` (the keys of its first pages, already computed). The ids are packed to int64 bytes
+    once and hashed a page's slice at a time (a 4000-token prompt: 0.32 ms on the 2-core VM,
+    0.40 with an array built a page)."""
     keys = list(known[:pages])
-    for i in range(len(keys), pages):
-        chunk = array("q", tokens[i * page_size:(i + 1) * page_size])
-        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + chunk.tobytes(), digest_size=16).digest())
+    if len(keys) == pages:
+        return keys
+    data = array("q", tokens[len(keys) * page_size:pages * page_size]).tobytes()
+    stride = 8 * page_size
+    for i in range(pages - len(keys)):
+        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + data[i * stride:(i + 1) * stride],
+                                    digest_size=16).digest())
     return keys
 
 
@@ -123,7 +130,7 @@ class PrefixCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.min_prefill = min_prefill
-        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._free: dict[int, None] = dict.fromkeys(range(num_pages))  # in order; O(1) removal
         # key -> page id of every cached page, least recently used first.
         self._cached: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._key_of: dict[int, bytes] = {}
@@ -157,15 +164,16 @@ class PrefixCache:
             reused.append(page)
         for page in reused:
             self._pins[page] += 1
-        # Free pages first; then cached ones from the least recently used end.
-        candidates = [p for p in self._free if not self._pins[p]]
-        candidates += [p for p in self._cached.values() if not self._pins[p]]
-        allocatable = candidates[:needed - len(reused)]
+        # Free pages first; then cached ones from the least recently used end. Only as many as
+        # needed are looked at: listing the whole pool first cost a 4000-token prompt's lease
+        # 0.83 ms at 2048 pages on the 2-core VM, against 0.48 now.
+        candidates = (p for p in itertools.chain(self._free, self._cached.values()) if not self._pins[p])
+        allocatable = list(itertools.islice(candidates, needed - len(reused)))
         if len(allocatable) < needed - len(reused):
             for page in reused:
                 self._pins[page] -= 1
             raise ValueError(f"the page pool is exhausted: {needed} pages wanted, "
-                             f"{len(reused) + len(candidates)} not in use by other requests")
+                             f"{len(reused) + len(allocatable)} not in use by other requests")
         for page in allocatable:
             self._pins[page] += 1
         self.stats.leases += 1
@@ -192,25 +200,25 @@ class PrefixCache:
             if index < reusable_pages:
                 self._register(keys[index], page)
             elif index >= len(lease.reused):
-                self._free.append(page)
+                self._free[page] = None
 
     def _drop(self, page: int) -> None:
         key = self._key_of.pop(page, None)
         if key is not None:
             del self._cached[key]
             self.stats.evicted_pages += 1
-        elif page in self._free:
-            self._free.remove(page)
+        else:
+            self._free.pop(page, None)
 
     def _register(self, key: bytes, page: int) -> None:
         old = self._cached.get(key)
         if old is not None and old != page:  # the same prefix computed again: keep one page of it
             if self._pins[old]:  # another request reads the old one
-                self._free.append(page)
+                self._free[page] = None
                 return
             del self._key_of[old]
             del self._cached[key]
-            self._free.append(old)
+            self._free[old] = None
         self._cached[key] = page
         self._cached.move_to_end(key)
         self._key_of[page] = key
