@@ -15,7 +15,10 @@ models, its Jinja chat template (fileformat.py reads both). Encoding and decodin
 
 from __future__ import annotations
 
+import collections
 import json
+import re
+import threading
 
 import jinja2
 import jinja2.ext
@@ -94,6 +97,14 @@ class Tokenizer:
         self.eos_token = hf_tokenizer.id_to_token(eos_token_id) if eos_token_id is not None else None
         stops = {self._tok.token_to_id(t) for t in STOP_TOKENS} | {eos_token_id, *extra_eos_ids}
         self.stop_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
+        # encode_cached splits text where `tokenizers` itself splits it first: at the added tokens
+        # it matches before normalising (normalized false), and only those with no stripping or
+        # word rule, whose match depends on nothing around them. Longest first, as it matches.
+        plain = sorted((t.content for t in hf_tokenizer.get_added_tokens_decoder().values()
+                        if not (t.normalized or t.lstrip or t.rstrip or t.single_word)), key=len, reverse=True)
+        self._added_split = re.compile("(" + "|".join(map(re.escape, plain)) + ")") if plain else None
+        self._segments: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._segments_lock = threading.Lock()
 
     @classmethod
     def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *, vocab_size: int,
@@ -124,6 +135,43 @@ class Tokenizer:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their
         ids, as in transformers; nothing is added around the text (Qwen2.5 has no BOS)."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    SEGMENT_CACHE_ENTRIES = 256  # texts between added tokens kept; a file chunk of repository context each
+    SEGMENT_CACHE_MIN_CHARS = 256  # shorter ones cost less to encode than to look up and keep
+
+    def encode_cached(self, text: str) -> list[int]:
+        """encode(text), remembering the ids of each long run of text between added tokens.
+
+        `tokenizers` cuts the text at added tokens (`<|file_sep|>`, `<|fim_prefix|>`, ...) before
+        anything else and encodes each run between them on its own, so the ids of a run do not
+        depend on what surrounds it: the same result as encode, token for token (tests check it on
+        both tokenizers and on text that writes the tokens itself). It pays where the same runs come
+        back request after request: an editor's /infill sends the same files of repository context
+        with every keystroke (a 4000-token context took 5.6 ms to encode on the 2-core VM)."""
+        if self._added_split is None:
+            return self.encode(text)
+        ids: list[int] = []
+        for index, part in enumerate(self._added_split.split(text)):
+            if not part:
+                continue
+            if index % 2:  # an added token
+                ids.append(self._tok.token_to_id(part))
+                continue
+            if len(part) < self.SEGMENT_CACHE_MIN_CHARS:
+                ids += self.encode(part)
+                continue
+            with self._segments_lock:
+                known = self._segments.get(part)
+                if known is not None:
+                    self._segments.move_to_end(part)
+            if known is None:
+                known = tuple(self.encode(part))
+                with self._segments_lock:
+                    self._segments[part] = known
+                    while len(self._segments) > self.SEGMENT_CACHE_ENTRIES:
+                        self._segments.popitem(last=False)
+            ids += known
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included; incomplete UTF-8 at the end becomes U+FFFD."""

@@ -276,3 +276,39 @@ def test_stream_decoder_holds_a_real_replacement_character_until_it_is_final():
     assert decoder.push(1) == ""  # it could still be a character whose bytes are arriving
     assert decoder.push(2) == "\ufffdb"
     assert decoder.push(1) == "" and decoder.flush() == "\ufffd"
+
+
+def embedded_tokenizer() -> Tokenizer:
+    """The embedded model's tokenizer: Qwen2's NFC normaliser and split pattern, Qwen2.5's tokens."""
+    from pynanoqwen.data import EMBEDDED_MODEL
+    from pynanoqwen.fileformat import NanoQwenFile
+
+    with NanoQwenFile(EMBEDDED_MODEL) as f:
+        return Tokenizer.from_json_bytes(bytes(f.tokenizer_json), f.chat_template, vocab_size=f.config.vocab_size)
+
+
+EMBEDDED_TOKENIZER = embedded_tokenizer()
+# Runs of text around which a boundary could matter: code, a combining accent that NFC joins to the
+# letter before it (e\u0301 -> é), spaces and newlines that the split pattern groups, CJK and emoji.
+PIECES = ["def f(x):\n    return x + 1\n", "e\u0301", "\u0301", "  ", "\n\n", " x", "世界", "🙂", "'s", "<|", "|>",
+          "file_sep", "0123"]
+LONG = "".join(f"def helper_{i}(x):\n    return x * {i}\n\n" for i in range(12))  # over the cache's minimum
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG, LONG + "e", "\u0301" + LONG]), max_size=14))
+def test_encode_cached_is_encode_token_for_token(tokenizer, parts):
+    """Whatever the runs between added tokens, and however often a run comes back (cached or not),
+    encode_cached gives encode's ids, on the test's byte-level BPE and on the embedded model's."""
+    text = "".join(parts)
+    for tok in (tokenizer, EMBEDDED_TOKENIZER):
+        expected = tok.encode(text)
+        assert tok.encode_cached(text) == expected
+        assert tok.encode_cached(text) == expected  # now from the cache
+
+
+def test_encode_cached_keeps_a_bounded_number_of_runs():
+    tok = embedded_tokenizer()
+    for i in range(Tokenizer.SEGMENT_CACHE_ENTRIES + 10):
+        tok.encode_cached(f"<|file_sep|>f{i}.py\n{LONG}{i}")
+    assert len(tok._segments) == Tokenizer.SEGMENT_CACHE_ENTRIES

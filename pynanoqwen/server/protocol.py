@@ -209,8 +209,8 @@ def infill_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     body = INFILL.check(body, "")
     check_model(body, model)
     tokenizer = model.tokenizer
-    prompt_ids = tokenizer.encode(infill_prompt(body["input_prefix"], body["input_suffix"],
-                                                body["input_extra"] or (), body["prompt"]))
+    prompt_ids = tokenizer.encode_cached(infill_prompt(body["input_prefix"], body["input_suffix"],
+                                                       body["input_extra"] or (), body["prompt"]))
     n_predict = None if body["n_predict"] == -1 else body["n_predict"]
     seed = body["seed"] if body["seed"] != -1 else secrets.randbits(63)
     params = SamplingParams(body["temperature"], body["top_k"], body["top_p"], seed).validate()
