@@ -88,6 +88,30 @@ def test_gemm_exact_operands(tiles, m, n, k, epilogue):
     assert np.all(np.abs(y - expected) <= rounding * np.abs(expected) + (2.0**-25 if epilogue == "float16" else 0))
 
 
+@pytest.mark.parametrize("epilogue", ["plain", "gate_up_silu"])
+def test_two_warpgroups_copy_every_row_once(epilogue):
+    """The stage copies at two warpgroups (256 threads: 2 X copies a thread 32 token rows apart, and
+    gate/up weight rows interleaved a warp; 64 tokens keep the ring under the 48 KiB the simulator
+    allows): exact products, so a row copied twice, to the wrong swizzle, or from the wrong matrix
+    shows. m = 150: the third token block is mostly rows past m."""
+    rng = np.random.default_rng()
+    m, n, k = 150, 128, 256
+    tiles = WgmmaTile(warpgroups=2, tokens=64, stages=3)
+    x = exact_activations(rng, m, k)
+    gate_q, gate_s, wg = exact_linear(rng, n, k)
+    if epilogue == "plain":
+        y = run(make_gemm_int4(n, k, gate_q, gate_s, tiles=tiles), x, np.zeros((m + EXTRA_ROWS, n), np.float32), m)
+        assert np.array_equal(y, x[:m].astype(np.float64) @ wg.T)
+        return
+    up_q, up_s, wu = exact_linear(rng, n, k)
+    mlp = make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, tiles=tiles)
+    y = run(mlp, x, np.full((m + EXTRA_ROWS, n), np.nan, np.float16), m)
+    g, u = x[:m].astype(np.float64) @ wg.T, x[:m].astype(np.float64) @ wu.T
+    with np.errstate(over="ignore"):  # exp(-g), g < -88: inf, silu -0
+        expected = g / (1 + np.exp(-g)) * u
+    assert np.all(np.abs(y - expected) <= (U16 + 8 * U32) * np.abs(expected) + 2.0**-25)  # as the test below
+
+
 def test_split_k_residual_exact_operands():
     """dev/gemm_wgmma_split_k.py: two blocks along K each add their partial product (exact here) to
     out with an atomic add: two FP32 roundings, each at most u32 times a running sum bounded by
