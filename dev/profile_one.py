@@ -7,7 +7,7 @@
     python dev/profile_one.py prefill_attention --context 32000 --m 1280
 
 Kernels: qkv_rope, o_proj, gate_up, down, lm_head (default GemvPlans, or --plan R,D,W,B), decode
-attention, the prefill GEMM of one linear (qkv, o_proj, gate_up, down) at M rows on a tile of
+attention, the prefill GEMM of one linear (qkv, o_proj, gate_up, down_proj) at M rows on a tile of
 gemm_int4_tiles.TILE_NAMES (default: the engine's for that M), and prefill attention of the last
 M rows of a prompt of --context tokens (the engine's 2048-row kernel). Random weights and
 activations; nothing is checked (the tests do that).
@@ -24,7 +24,7 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pynanoqwen.bench import layer_linears  # noqa: E402
+from pynanoqwen.bench import layer_linears, random_int4  # noqa: E402
 from pynanoqwen.config import preset  # noqa: E402
 from pynanoqwen.engine.memory import PREFILL_BUCKETS  # noqa: E402
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
@@ -37,17 +37,12 @@ from pynanoqwen.kernels.rope_kv_write import rope_cos_sin  # noqa: E402
 HIDDEN, INTERMEDIATE, QKV, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 3584, 18944, 4608, 152064, 28, 4, 128
 LAUNCHES = 3
 PREFILL_ROWS = PREFILL_BUCKETS[-1]  # the engine's longest prefill chunk
-
-
-def random_int4(rng, n, k):
-    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
-            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
+LINEARS = layer_linears(preset("7b"))  # (name, N, K, epilogue) of the prefill GEMMs
 
 
 def gemm_call(args, rng, stream):
     """One prefill GEMM of a 7B layer's linear, as the engine builds it (epilogue included)."""
-    name, n, kdim, epilogue = next(row for row in layer_linears(preset("7b")) if row[0] == args.linear.replace(
-        "down", "down_proj"))
+    name, n, kdim, epilogue = next(row for row in LINEARS if row[0] == args.linear)
     tiles = next(t for t, label in TILE_NAMES.items() if label == args.tile) if args.tile else \
         default_tiles_for(args.m, n, kdim, epilogue)
     x = cuda.to_device(rng.standard_normal((args.m, kdim)).astype(np.float16))
@@ -83,7 +78,7 @@ def main() -> None:
                                                   "prefill_attention"])
     parser.add_argument("--plan", help="R,D,W,B of a GemvPlan")
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--linear", choices=["qkv", "o_proj", "gate_up", "down"], default="gate_up")
+    parser.add_argument("--linear", choices=[row[0] for row in LINEARS], default="gate_up")
     parser.add_argument("--m", type=int, default=2048, help="rows of the prefill GEMM or attention chunk")
     parser.add_argument("--tile", choices=sorted(TILE_NAMES.values()), help="the GEMM's tile")
     args = parser.parse_args()

@@ -216,7 +216,8 @@ def infill_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     params = SamplingParams(body["temperature"], body["top_k"], body["top_p"], seed).validate()
     request = GenerationRequest(prompt_ids, params, budget(prompt_ids, n_predict, model, "input_prefix", "n_predict"),
                                 tokenizer.stop_ids, text_list(body["stop"]), body["n_indent"],
-                                body["t_max_predict_ms"], body["cache_prompt"], body["stream"] and body["return_tokens"])
+                                body["t_max_predict_ms"], body["cache_prompt"],
+                                every_token=body["stream"] and body["return_tokens"])
     return request, Reply("infill", body["stream"], response_fields=tuple(body["response_fields"] or ()),
                           return_tokens=body["return_tokens"], supersedes=body["n_predict"] != 0)
 
