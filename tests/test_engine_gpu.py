@@ -524,6 +524,23 @@ def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens, first)
     assert tokens - first <= 16 or all(m > 16 for _, m, _ in chunks)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 17, 64, 65, 128, 129, 522, 1000, 2047, 2048, 4006, 5000])
+def test_a_chunk_runs_in_a_bucket_at_most_127_rows_longer(tokens):
+    """Every chunk of a prompt runs in the smallest bucket that holds it, and past 64 rows that
+    bucket pads it by fewer than PREFILL_STEP rows (a 522-token prompt ran as 1024 rows when the
+    buckets were powers of two); the buckets stay sorted, distinct and within the longest."""
+    from pynanoqwen.engine.memory import PREFILL_STEP
+
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.prefill_buckets = prefill_buckets(32768)
+    assert list(backend.prefill_buckets) == sorted(set(backend.prefill_buckets))
+    assert backend.prefill_buckets[:3] == (16, 32, 64) and backend.prefill_buckets[-1] == 2048
+    for _, m, _ in backend._chunks(tokens, "argmax"):
+        rows = backend._bucket(m)
+        assert rows >= m and all(bucket < m for bucket in backend.prefill_buckets if bucket < rows)
+        assert m <= 64 or rows - m < PREFILL_STEP
+
+
 def test_too_little_gpu_memory_is_a_clear_error():
     needed = device_bytes(SEVEN_B, weight_bytes=4 * 2**30, max_context=32768, attention_splits=H200_SM_COUNT // 4)
     with pytest.raises(NanoQwenError, match=r"needs .* GiB of GPU memory .* only 3.00 of 80.00 GiB are free"):

@@ -21,11 +21,16 @@ from ..kernels.sampling import Sampler
 from ..tensors import stored_tensors
 
 RESERVED_BYTES = 512 * 2**20  # CUDA context, kernel modules, graphs, workspaces: kept free on top
-PREFILL_BUCKETS = tuple(16 << i for i in range(8))  # rows of the prefill graphs: 16, 32, ..., 2048
+# Rows of the prefill graphs: 16, 32, 64, then every PREFILL_STEP rows to 2048. A chunk runs in the
+# smallest bucket that holds it, so past 64 rows it computes at most PREFILL_STEP - 1 padding rows:
+# with powers of two a 522-token prompt ran as 1024 rows (32.1 ms against 17.5 for 512 on the H200,
+# docs/PERFORMANCE.md). The GEMM kernels take M at run time, so a bucket adds a graph, not a compile.
+PREFILL_STEP = 128
+PREFILL_BUCKETS = (16, 32, 64) + tuple(range(PREFILL_STEP, 2048 + 1, PREFILL_STEP))
 
 
 def prefill_buckets(max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1]) -> tuple[int, ...]:
-    """The chunk sizes the batched prefill captures graphs for: 16, 32, ... up to prefill_rows,
+    """The chunk sizes the batched prefill captures graphs for: PREFILL_BUCKETS up to prefill_rows,
     or only up to the first that holds max_context tokens. The last is the longest chunk."""
     buckets = [rows for rows in PREFILL_BUCKETS if rows <= prefill_rows]
     fits = [rows for rows in buckets if rows >= max_context]
