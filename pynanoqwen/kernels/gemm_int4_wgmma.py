@@ -49,10 +49,12 @@ tokens, 218 at 256; no spills.
 The measured TFLOP/s of every tile at the 7B shapes, against the ~790 the H200 reaches in bf16
 through cuBLAS and the mma.sync kernel's best, are bench's GEMM table in docs/PERFORMANCE.md.
 Why the best tile stays near 60% (docs/PERFORMANCE.md, "Prefill, 2026-12-03"): Nsight Compute
-on WG2_T256 at gate_up, M = 2048, counts ~309 executed instructions per warp and k tile, four
+on WG2_T256 at gate_up, M = 2048, counted ~309 executed instructions per warp and k tile, four
 times the count above, issued at 1.23 a cycle by the 8 warps a SM that 236 registers and 148 KiB
 of shared memory allow. Issuing them takes about twice the 1024 cycles the tensor cores need for
-the tile (tensor pipe 50% busy), while L2 (38%) and DRAM (3%) are far from their limits.
+the tile (tensor pipe 50% busy), while L2 (38%) and DRAM (3%) are far from their limits. About
+half of them were the copies' index arithmetic, which `copy_plan` now does once per thread
+(2-19% faster a tile, docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
     X_CHUNKS, W_CHUNKS = TOKENS * X_ROW_WORDS // 4, ROWS * W_ROW_WORDS // 4  # 16-byte copies per stage
+    X_COPIES, W_COPIES = -(-X_CHUNKS // THREADS), -(-W_CHUNKS // THREADS)  # of them a thread's
     X_WORDS, W_WORDS, GROUPS = k // 2, k // 8, k // GROUP_SIZE  # words of one X row / W row; scale groups
     AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
     WAIT = STAGES - 3  # copy groups that may stay pending when tile kt must have landed
@@ -186,28 +189,43 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         return r, U(0)
 
     @cuda.jit(device=True, inline="always")
-    def load_stage(x, m, q0, q1, tile, stage_word, kt, m0, n0):
-        """Issue this thread's cp.async share of k tile kt into the stage at word stage_word."""
+    def copy_plan(m, m0, n0, plan):
+        """This thread's share of every stage's cp.async copies, worked out once: the source word
+        of k tile 0, the destination word in a stage, and for X the bytes to read (0 past M) or
+        for W the matrix. A stage's copies differ only by kt * row words in the source, so
+        load_stage is one add a copy (the per-stage arithmetic was ~135 of ~309 instructions a
+        warp issued a k tile: docs/PERFORMANCE.md, "Prefill, 2026-12-03")."""
+        x_src, x_dst, x_bytes, w_src, w_dst, w_up = plan
         tid = U(cuda.threadIdx.x)
-        for i in range(-(-X_CHUNKS // THREADS)):
+        for i in range(X_COPIES):
             c = tid + U(i * THREADS)
-            if X_CHUNKS % THREADS == 0 or c < X_CHUNKS:
-                row, chunk = c // U(X_ROW_WORDS // 4), c % U(X_ROW_WORDS // 4)
-                inside = m0 + row < m
-                src_row = m0 + row if inside else U(0)  # rows >= M: read nothing, write zeros
-                cp_async_16(tile, stage_word + row * U(X_ROW_WORDS) + U(4) * (chunk ^ (row % U(8))),
-                            x, src_row * U(X_WORDS) + kt * U(X_ROW_WORDS) + chunk * U(4), U(16) if inside else U(0))
-        for i in range(-(-W_CHUNKS // THREADS)):
-            c = tid + U(i * THREADS)
-            if W_CHUNKS % THREADS == 0 or c < W_CHUNKS:
-                r, half = c // U(2), c % U(2)
-                col, up = weight_row(r)
-                src = (n0 + col) * U(W_WORDS) + kt * U(W_ROW_WORDS) + half * U(4)
-                dst = stage_word + U(X_STAGE_WORDS) + r * U(W_ROW_WORDS) + half * U(4)
-                if up:
-                    cp_async_16(tile, dst, q1, src, U(16))
+            row, chunk = c // U(X_ROW_WORDS // 4), c % U(X_ROW_WORDS // 4)
+            inside = m0 + row < m
+            src_row = m0 + row if inside else U(0)  # rows >= M: read nothing, write zeros
+            x_src[i] = src_row * U(X_WORDS) + chunk * U(4)
+            x_dst[i] = row * U(X_ROW_WORDS) + U(4) * (chunk ^ (row % U(8)))
+            x_bytes[i] = U(16) if inside else U(0)
+        for i in range(W_COPIES):
+            r, half = (tid + U(i * THREADS)) // U(2), (tid + U(i * THREADS)) % U(2)
+            col, up = weight_row(r)
+            w_src[i] = (n0 + col) * U(W_WORDS) + half * U(4)
+            w_dst[i] = U(X_STAGE_WORDS) + r * U(W_ROW_WORDS) + half * U(4)
+            w_up[i] = up
+
+    @cuda.jit(device=True, inline="always")
+    def load_stage(x, q0, q1, tile, stage_word, kt, plan):
+        """Issue this thread's cp.async share (copy_plan) of k tile kt into the stage at stage_word."""
+        x_src, x_dst, x_bytes, w_src, w_dst, w_up = plan
+        tid = U(cuda.threadIdx.x)
+        for i in range(X_COPIES):
+            if X_CHUNKS % THREADS == 0 or tid + U(i * THREADS) < U(X_CHUNKS):
+                cp_async_16(tile, stage_word + x_dst[i], x, x_src[i] + kt * U(X_ROW_WORDS), x_bytes[i])
+        for i in range(W_COPIES):
+            if W_CHUNKS % THREADS == 0 or tid + U(i * THREADS) < U(W_CHUNKS):
+                if w_up[i]:
+                    cp_async_16(tile, stage_word + w_dst[i], q1, w_src[i] + kt * U(W_ROW_WORDS), U(16))
                 else:
-                    cp_async_16(tile, dst, q0, src, U(16))
+                    cp_async_16(tile, stage_word + w_dst[i], q0, w_src[i] + kt * U(W_ROW_WORDS), U(16))
 
     @cuda.jit(device=True, inline="always")
     def half2_scale(s0, s1, feature, up, group):
@@ -228,14 +246,14 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         wgmma_wait_group(1)  # the previous tile's wgmmas are done: its stage and registers are free
 
     @cuda.jit(device=True, inline="always")
-    def step(x, m, q0, q1, tile, ring, kt, m0, n0, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
+    def step(x, q0, q1, tile, ring, kt, plan, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
         """k tile kt: wait, publish, refill, multiply."""
         cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
         fence_proxy_async_shared()  # ...are visible to the tensor cores...
         cuda.syncthreads()  # ...and everyone's are; every warpgroup is done with tile kt - 2's stage
         ahead = kt + U(AHEAD)
         if ahead < U(GROUPS * TILES_PER_GROUP):
-            load_stage(x, m, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), ahead, m0, n0)
+            load_stage(x, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), ahead, plan)
         cp_async_commit_group()  # possibly empty: keeps one group per k tile
         stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
         multiply_tile(tile, stage_word, stage_word + w_offset, unpack, scale_a, scale_b, a, acc, acc_high)
@@ -268,8 +286,12 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
             acc[c] = float32(0)
             acc_high[c] = float32(0)
 
+        plan = (cuda.local.array(X_COPIES, uint32), cuda.local.array(X_COPIES, uint32),
+                cuda.local.array(X_COPIES, uint32), cuda.local.array(W_COPIES, uint32),
+                cuda.local.array(W_COPIES, uint32), cuda.local.array(W_COPIES, uint32))
+        copy_plan(m, m0, n0, plan)
         for s in range(AHEAD):
-            load_stage(x, m, q0, q1, tile, ring + U(s * STAGE_WORDS), U(s), m0, n0)
+            load_stage(x, q0, q1, tile, ring + U(s * STAGE_WORDS), U(s), plan)
             cp_async_commit_group()
         next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(0))
         next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(0))
@@ -279,8 +301,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
                 next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(group + 1))
                 next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(group + 1))
             kt = U(group * TILES_PER_GROUP)
-            step(x, m, q0, q1, tile, ring, kt, m0, n0, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
-            step(x, m, q0, q1, tile, ring, kt + U(1), m0, n0, w_offset, unpack, scale_a, scale_b, a_odd, acc, acc_high)
+            step(x, q0, q1, tile, ring, kt, plan, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
+            step(x, q0, q1, tile, ring, kt + U(1), plan, w_offset, unpack, scale_a, scale_b, a_odd, acc, acc_high)
         wgmma_wait_group(0)
 
         # acc[4i + 2h + e] is D[row_a + 8h, token 8i + 2t + e] (acc_high: token WIDTH + 8i + 2t + e)
