@@ -58,8 +58,9 @@ cores run at a third of the ~660 TFLOP/s mma.sync peak (7-14 warps per SM, softm
 that is ~18 us at m = 512 (one wave of 128 blocks: the longest, 16 key tiles, sets the time),
 ~140 us at 2048, ~410 us for the second chunk. K/V traffic: each block reads its KV head's keys 0..last once
 (512 B per key at head_dim 128, K + V) from L2 mostly: at query tile 16, ~0.8 GB for the second
-2048-row chunk, well under the L2's bandwidth for that time. Registers: 144 (capped, no spills),
-shared memory 35 KiB, so two 7-warp blocks share an SM.
+2048-row chunk, well under the L2's bandwidth for that time. Registers: 128 (capped, REGISTER_CAP),
+shared memory 35 KiB, so two 7-warp blocks share an SM. What it reaches is bench's prefill-attention
+table in docs/PERFORMANCE.md (~200 TFLOP/s, a quarter of the bf16 peak, from 8k tokens on).
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ from . import PAGE_SIZE, CompileTarget
 KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
 STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head
-# Registers per thread, so that 14 warps fit an SM's 65536 (448 x 144 = 64512): two 7-warp blocks
-# at 7B's query tile 16, one 14-warp block at 32. Unlimited, ptxas takes 166 (one 7-warp block);
-# at 144 it still spills nothing (checked with nvJitLink -maxrregcount=144).
-REGISTER_CAP = 144
+# Registers per thread, so that two 7-warp blocks (7B, query tile 16) fit an SM. Registers are
+# split between the SM's four schedulers, 16384 each, and 14 warps put 4 on some of them: 4 x 32 x
+# 128 = 16384. At 144 (no spills) only one block fitted, and the kernel ran latency-bound at 7 warps
+# a SM; at 128 ptxas spills 72 bytes, and a 32000-token prompt's attention took 36.9 ms a layer
+# against 48.3 (1.7% slower at 2048 tokens: docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
+REGISTER_CAP = 128
 JIT_OPTIONS = {} if SIMULATOR else {"max_registers": REGISTER_CAP}  # the simulator takes no such option
 U = np.uint32  # unsigned index arithmetic: no negative-index checks
 
