@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 
 import httpx
@@ -208,6 +209,10 @@ def test_the_gpu_engine_compiles_every_prefill_graph_before_serving(monkeypatch)
 
     monkeypatch.setattr(run, "load_backend", Engine)
     for max_context, lengths in ((256, [16, 32, 64, 65]), (48, [16, 32, 47])):
+        status = []
         engine, _ = run.load_model(Path(EMBEDDED_MODEL), "cuda", max_context, self_check=False,
-                                   on_status=lambda line: None)
+                                   on_status=status.append)
         assert engine.prepared == [(n, greedy) for n in lengths for greedy in (True, False)]
+        # The long step says how much it will do and how long it took.
+        assert f"compiling the prefill graphs: {len(lengths)} prompt lengths, greedy and sampled" in status
+        assert re.fullmatch(r"prefill graphs ready in \d+\.\d s", status[-1])

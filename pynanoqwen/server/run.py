@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,11 +134,14 @@ def load_model(path: Path, device: str, max_context: int, *, self_check: bool,
         on_status(require_self_check(backend, path))
     buckets = getattr(backend, "prefill_buckets", ())
     if buckets:  # the GPU engine: compile every prefill graph a request may replay, before serving
-        on_status("compiling the prefill graphs")
         # Each bucket as a last chunk, and (one past the longest) the longest as an inner chunk.
-        for length in sorted({min(rows, model.max_context - 1) for rows in buckets + (buckets[-1] + 1,)}):
+        lengths = sorted({min(rows, model.max_context - 1) for rows in buckets + (buckets[-1] + 1,)})
+        on_status(f"compiling the prefill graphs: {len(lengths)} prompt lengths, greedy and sampled")
+        started = time.perf_counter()
+        for length in lengths:
             for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # greedy and sampled
                 backend.prepare(length, params)
+        on_status(f"prefill graphs ready in {time.perf_counter() - started:.1f} s")
     if isinstance(backend, CpuBackend):  # the reference keeps its KV in pages for the prefix cache
         backend = PagedCpuBackend(backend.model)
     return backend, model
