@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import edited_kernel_source, load_source  # noqa: E402
+from harness import TIMER, edited_kernel_source, load_source  # noqa: E402
 
 PHASES = ["entry", "barriers set", "pos read", "early copies issued", "wait returned", "q read", "first page here",
           "pages done", "partials met", "partials stored+fenced", "counted in", "merge began",
@@ -76,21 +76,6 @@ EDITS = [
 
 def instrumented_source() -> str:
     return edited_kernel_source("attention_timeline", TIMER, EDITS)
-
-
-TIMER = '''
-from numba import types as _types
-from numba.cuda.extending import intrinsic as _intrinsic
-from llvmlite import ir as _ir
-from pynanoqwen.ptx.mbarrier import inline_ptx as _inline_ptx
-
-
-@_intrinsic
-def gtimer(typingctx):
-    def codegen(context, builder, sig, args):
-        return _inline_ptx(builder, "mov.u64 $0, %globaltimer;", "=l,~{memory}", [], _ir.IntType(64))
-    return _types.int64(), codegen
-'''
 
 
 def load_instrumented():

@@ -26,16 +26,18 @@ LINEARS_7B = {"qkv": (SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.hidden_size)
               "down_proj": (SEVEN_B.hidden_size, SEVEN_B.intermediate_size)}
 
 
-def edited_kernel_source(who: str, header: str, edits: list[tuple[str, str]], sections=()) -> str:
-    """kernels/attention_decode.py's source, runnable outside its package, with `header` after its
-    __future__ import, each (old, new) of `edits` applied (old must occur exactly once) and each
+def edited_kernel_source(who: str, header: str, edits: list[tuple[str, str]], sections=(),
+                         kernel: str = "attention_decode") -> str:
+    """The source of kernels/`kernel`.py (decode attention by default), runnable outside its
+    package, with `header` after its __future__ import, each (old, new) of `edits` applied (old must occur exactly once) and each
     (start, end, new) of `sections` (the text from start up to end) replaced: how the attention
-    variants and the timeline stay the product's kernel but for their edits. A change of the
+    variants and the timelines stay the product's kernel but for their edits. A change of the
     product that moves an anchor stops `who` with the anchor, rather than time something else."""
     from pathlib import Path
 
-    source = (Path(__file__).resolve().parents[1] / "pynanoqwen/kernels/attention_decode.py").read_text()
+    source = (Path(__file__).resolve().parents[1] / f"pynanoqwen/kernels/{kernel}.py").read_text()
     source = source.replace("from ..", "from pynanoqwen.").replace("from . import", "from pynanoqwen.kernels import")
+    source = source.replace("from .", "from pynanoqwen.kernels.")  # a sibling module: from .gemv_int4_paths
     source = source.replace("from __future__ import annotations\n", "from __future__ import annotations\n" + header, 1)
     for old, new in edits + [(start, None) for start, _, _ in sections]:
         if source.count(old) != 1:
@@ -49,6 +51,23 @@ def edited_kernel_source(who: str, header: str, edits: list[tuple[str, str]], se
             raise SystemExit(f"{who}: the product kernel changed; nothing after this anchor ends with:\n{end}")
         source = source[:begin] + new + source[stop:]
     return source
+
+
+# A header for edited_kernel_source: gtimer(), the GPU's %globaltimer in ns (256 ns steps on the
+# H200), for the timelines' stamps.
+TIMER = '''
+from numba import types as _types
+from numba.cuda.extending import intrinsic as _intrinsic
+from llvmlite import ir as _ir
+from pynanoqwen.ptx.mbarrier import inline_ptx as _inline_ptx
+
+
+@_intrinsic
+def gtimer(typingctx):
+    def codegen(context, builder, sig, args):
+        return _inline_ptx(builder, "mov.u64 $0, %globaltimer;", "=l,~{memory}", [], _ir.IntType(64))
+    return _types.int64(), codegen
+'''
 
 
 def load_source(source: str, name: str):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
-SCRIPTS = ["attention_splits.py", "attention_timeline.py", "gemv_plans.py", "profile_one.py", "ptx_loop_mix.py"]
+SCRIPTS = ["attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_timeline.py", "profile_one.py",
+           "ptx_loop_mix.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -30,6 +31,32 @@ def test_attention_timeline_finds_every_anchor_in_the_kernel():
     source = attention_timeline.instrumented_source()
     compile(source, "attention_timeline_kernel", "exec")
     assert source.count("gtimer()") == 15
+
+
+def test_gemv_timeline_instruments_the_product_gemv_and_compiles_for_sm90():
+    """dev/gemv_timeline.py's copy of the product GEMV: every anchor found once, eight stamps, and
+    the down_proj kernel (split tiles, residual epilogue) with an int64 stamps array where
+    bias_values goes compiles to PTX that reads %globaltimer."""
+    from numba import cuda, types
+
+    from pynanoqwen.kernels.gemv_int4 import default_plan
+
+    sys.path.insert(0, str(DEV))
+    try:
+        import gemv_timeline
+    finally:
+        sys.path.remove(str(DEV))
+    source = gemv_timeline.instrumented_source()
+    assert source.count("gtimer()") == 8
+    module = gemv_timeline.load_source(source, "gemv_timeline_kernel")
+    n, k = 3584, 18944
+    plan = default_plan(n, k)
+    kernel = module.gemv_kernel("prmt", n, k, 1, plan, plan.grid(n, 132), "residual")
+    flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
+    signature = types.void(flat_u32, flat_f16, flat_u32, flat_f16, types.UniTuple(flat_u32, 1), types.int64[::1],
+                           types.float32[::1])
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+    assert ptx.count("%globaltimer") == 8 and "griddepcontrol.wait" in ptx
 
 
 def test_ptx_loop_mix_counts_the_wgmma_k_loop():
