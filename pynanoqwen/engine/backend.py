@@ -80,8 +80,8 @@ class CudaBackend(EngineProbes):
         """`model`: a .nanoqwen path, or any reference.WeightSource (.config, .lm_head_int4,
         .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums.
         gemv: the INT4 GEMV path, "prmt" or "dp4a" (kernels/gemv_int4.py). prefill: "batched"
-        runs prompts through the tensor-core GEMMs in chunks of at most prefill_rows tokens (a
-        power of two, 16..2048); "decode" one decode step per token (and allocates nothing for
+        runs prompts through the tensor-core GEMMs in chunks of at most prefill_rows tokens (one
+        of PREFILL_BUCKETS, 16..2048); "decode" one decode step per token (and allocates nothing for
         the batched path)."""
         require_gpu()
         if gemv not in GEMV_PATHS:
