@@ -36,13 +36,20 @@ HIDDEN, INTERMEDIATE, QKV, VOCAB = 3584, 18944, 4608, 152064
 SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rope"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "norm+silu"), ("down", HIDDEN, INTERMEDIATE, "residual"),
           ("lm_head", VOCAB, HIDDEN, "norm")]
-PLANS = {  # GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles)
-    "small": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 2, 8, 2)],
-    "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True)],
-    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 16, 1), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True)],
+# GemvPlan(rows, depth, warps, blocks_per_sm, split_tiles). The W8 B1 plans use at most half of
+# each scheduler's registers (two warps a scheduler at 80-113 registers, ptxas for sm_90), so the
+# next launch's block fits beside a running one (registers count per scheduler: docs/HARDWARE.md)
+# and can issue its first loads during this launch's tail; in the other plans it cannot.
+PLANS = {
+    "small": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 2, 8, 2),
+              GemvPlan(2, 4, 8, 1), GemvPlan(4, 4, 8, 1)],
+    "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(2, 4, 8, 1)],
+    "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 16, 1), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True),
+                GemvPlan(1, 4, 8, 1), GemvPlan(2, 4, 8, 1)],
     "down": [GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 4, 8, 2, True),
-             GemvPlan(4, 4, 16, 1, True), GemvPlan(4, 2, 8, 2, True)],
-    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True)],
+             GemvPlan(4, 4, 16, 1, True), GemvPlan(4, 2, 8, 2, True), GemvPlan(2, 4, 8, 1, True),
+             GemvPlan(4, 4, 8, 1, True)],
+    "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 8, 1)],
 }
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
 # --epilogues: the forms each linear is timed in, the decode step's own form last.
