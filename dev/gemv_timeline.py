@@ -95,7 +95,8 @@ def main() -> None:
         if name not in args.shapes.split(","):
             continue
         matrices = 2 if name == "gate_up" else 1
-        form = "silu" if matrices == 2 else epilogue.replace("norm", "store").split("+")[-1]
+        form = epilogue.split("+")[-1]  # the norm is the GEMV's prologue, not its epilogue
+        form = "store" if form == "norm" else form
         if form not in ("store", "residual", "silu"):
             print(f"{name}: its {epilogue} epilogue reads bias_values, where the stamps go; not timed")
             continue
@@ -120,8 +121,8 @@ def main() -> None:
         summary = summarize(stamps.copy_to_host().reshape(calls, grid * plan.warps, 8))
         summary["graph_us_a_launch"] = us
         results[name] = summary
-        print(f"{name} ({plan}): {us:.2f} us a launch in the graph; stamps: a launch every {summary['period_us']:.2f} us;"
-              f" warps end {summary['end_p10_p90_us'][0]:.2f}..{summary['end_p10_p90_us'][1]:.2f} us (p10..p90)")
+        print(f"{name} ({plan}): {us:.2f} us a launch in the graph; stamps: a launch every "
+              f"{summary['period_us']:.2f} us; warps end {summary['end_p10_p90_us'][0]:.2f}..{summary['end_p10_p90_us'][1]:.2f} us (p10..p90)")
         print("  us after the previous launch's last warp: "
               + ", ".join(f"{phase} {t:.2f}" for phase, t in summary["phases_us"].items()))
     if args.json:

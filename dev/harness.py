@@ -29,10 +29,11 @@ LINEARS_7B = {"qkv": (SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.hidden_size)
 def edited_kernel_source(who: str, header: str, edits: list[tuple[str, str]], sections=(),
                          kernel: str = "attention_decode") -> str:
     """The source of kernels/`kernel`.py (decode attention by default), runnable outside its
-    package, with `header` after its __future__ import, each (old, new) of `edits` applied (old must occur exactly once) and each
-    (start, end, new) of `sections` (the text from start up to end) replaced: how the attention
-    variants and the timelines stay the product's kernel but for their edits. A change of the
-    product that moves an anchor stops `who` with the anchor, rather than time something else."""
+    package, with `header` after its __future__ import, each (old, new) of `edits` applied (old
+    must occur exactly once) and each (start, end, new) of `sections` (the text from start up to
+    end) replaced: how the attention variants and the timelines stay the product's kernel but for
+    their edits. A change of the product that moves an anchor stops `who` with the anchor, rather
+    than time something else."""
     from pathlib import Path
 
     source = (Path(__file__).resolve().parents[1] / f"pynanoqwen/kernels/{kernel}.py").read_text()

@@ -53,8 +53,8 @@ on WG2_T256 at gate_up, M = 2048, counted ~309 executed instructions per warp an
 times the count above, issued at 1.23 a cycle by the 8 warps a SM that 236 registers and 148 KiB
 of shared memory allow. Issuing them takes about twice the 1024 cycles the tensor cores need for
 the tile (tensor pipe 50% busy), while L2 (38%) and DRAM (3%) are far from their limits. About
-half of them were the copies' index arithmetic, which `copy_plan` now does once per thread
-(2-19% faster a tile, docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
+half of the k loop's PTX was the copies' index arithmetic, which `copy_plan` now does once per
+thread (2-19% faster a tile, docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         """This thread's share of every stage's cp.async copies, worked out once: the source word
         of k tile 0, the destination word in a stage, and for X the bytes to read (0 past M) or
         for W the matrix. A stage's copies differ only by kt * row words in the source, so
-        load_stage is one add a copy (the per-stage arithmetic was ~135 of ~309 instructions a
-        warp issued a k tile: docs/PERFORMANCE.md, "Prefill, 2026-12-03")."""
+        load_stage is one add a copy (the per-stage arithmetic was ~135 of the k loop's ~250 PTX
+        instructions a k tile: docs/PERFORMANCE.md, "Prefill, 2026-12-03")."""
         x_src, x_dst, x_bytes, w_src, w_dst, w_up = plan
         tid = U(cuda.threadIdx.x)
         for i in range(X_COPIES):
