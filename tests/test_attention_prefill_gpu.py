@@ -12,7 +12,11 @@ on the output); float32 sums (scores over d products, row sums and O accumulator
 the rescalings: relative (keys + d + 4) 2^-23 of the same sum, and scores off by up to
 Delta = d 2^-23 max_j sum_d |q_d k_jd| in log2 units, which moves the normalised weights by a
 factor within 2^(+-2 Delta)); and the final fp16 store (2^-11 |out| + 2^-25 for subnormals).
-ex2.approx's relative error (~2^-22) is inside the (keys + d + 4) 2^-23 term.
+ex2.approx's relative error (~2^-22) is inside the (keys + d + 4) 2^-23 term; the segment folds
+add 6 x 2^-23 a segment (tests/attention_prefill_oracle.py).
+
+Chunks of at most SPLIT_ROWS rows run split (a block per segment, then the merge): they must give
+the bits the whole kernel gives for the same rows, which the prefix cache relies on.
 """
 
 import numpy as np
@@ -21,7 +25,7 @@ from numba import cuda
 
 from attention_prefill_oracle import reference_and_bound
 from pynanoqwen.gpu_timing import time_graph
-from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, attention_flops, make_prefill_attention
+from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, SPLIT_ROWS, attention_flops, make_prefill_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -55,6 +59,11 @@ class Case:
 
     def launch(self, attention, stream):
         attention.launch(stream, *self.device, self.out)
+
+    def launch_rows(self, attention, stream, rows):
+        """The same chunk in a bucket of `rows` rows (q's and out's first rows), as the engine runs it."""
+        q, *rest = self.device
+        attention.launch(stream, q[:rows], *rest, self.out[:rows])
 
     def check(self):
         expected, tolerance = reference_and_bound(self.q, self.k_pages, self.v_pages, self.page_table,
@@ -107,3 +116,37 @@ def test_bench_prefill_attention_table_sums_the_engines_chunks():
     assert (short["chunks"], long["chunks"]) == (1, 2)
     assert long["us_per_layer"] > short["us_per_layer"] > 0
     assert all(0 < row["tflops"] < PEAK_TFLOPS for row in (short, long))
+
+
+@pytest.mark.parametrize("start, m, rows", [(3984, 22, 32), (0, 100, 128), (7000, 128, 128), (500, 9, 16)])
+def test_split_chunks_give_the_whole_kernels_bits_7b(attention, start, m, rows):
+    """A chunk in a bucket of <= SPLIT_ROWS rows (split) against the same rows in the 2048-row
+    bucket (whole): identical bits, and within the float64 bound."""
+    assert rows <= SPLIT_ROWS < M_CAP
+    case = Case(np.random.default_rng(start + m), start, m)
+    stream = cuda.stream()
+    case.launch(attention, stream)
+    whole = case.out.copy_to_host(stream=stream)[:m]
+    case.out.copy_to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16), stream=stream)
+    case.launch_rows(attention, stream, rows)
+    stream.synchronize()
+    ratio = case.check()
+    split = case.out.copy_to_host()[:m]
+    differ = int(np.sum(whole.view(np.uint16) != split.view(np.uint16)))
+    print(f"\nprefill attention 7B start {start} m {m} in {rows} rows: split max error / bound {ratio:.3f}, "
+          f"{differ} elements differ from the whole kernel's")
+    assert differ == 0
+
+
+def test_split_speed_on_a_cached_prefix_7b(attention):
+    """Prints us per call of a 22-row chunk over 3984 cached keys (an /infill after one changed
+    line) in the 32-row bucket: split, and the whole kernel on the same bucket."""
+    whole_only = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, split_rows=0)
+    case = Case(np.random.default_rng(5), 3984, 22)
+    stream = cuda.stream()
+    launches = 10
+    times = {name: time_graph(stream, lambda a=a: [case.launch_rows(a, stream, 32) for _ in range(launches)])
+             / launches for name, a in (("split", attention), ("whole", whole_only))}
+    print(f"\nprefill attention 7B, 22 rows at 3984 in the 32-row bucket: split {times['split'] * 1e6:.1f} us, "
+          f"whole {times['whole'] * 1e6:.1f} us a call")
+    case.check()

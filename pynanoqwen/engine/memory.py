@@ -16,6 +16,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import NanoQwenError
 from ..kernels.attention_decode import default_num_splits
+from ..kernels.attention_prefill import split_records
 from ..kernels import PAGE_SIZE
 from ..kernels.sampling import Sampler
 from ..tensors import stored_tensors
@@ -58,7 +59,8 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
         "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
                                 if prefill_rows else 0),
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
-                       + 4 * cfg.num_kv_heads),
+                       + 4 * cfg.num_kv_heads
+                       + (4 * split_records(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pages) if prefill_rows else 0)),
         "reserve": RESERVED_BYTES,
     }
 

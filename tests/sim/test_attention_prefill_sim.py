@@ -6,6 +6,8 @@ of 16 positions, so short chunks leave a block that must exit at once). The page
 random permutation of a larger pool; every cache slot outside positions 0..start+m-1, and every q
 row >= m, holds NaN, so reading a key the causal mask excludes, a slot past the chunk or a wrong
 page poisons the output. One kernel object serves every (start, m) in turn, as in a CUDA graph.
+Segments of one key tile (32 keys) make every context of more than 32 keys fold; the split form
+(each segment a block, then the merge) must give the whole kernel's bits.
 
 Tolerance, derived per output element (not tuned). The reference takes q at the precision the
 kernel feeds the tensor cores: fp16(q * log2(e) / sqrt(d)), with K and V exactly the fp16 cache.
@@ -23,7 +25,7 @@ import pytest
 from numba import cuda
 
 from attention_prefill_oracle import reference_and_bound
-from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, make_prefill_attention
+from pynanoqwen.kernels.attention_prefill import KEY_TILE, PAGE_SIZE, make_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
 M_CAP = 32
@@ -47,22 +49,45 @@ def random_case(rng, start, m):
     return q, k_pages, v_pages, page_table
 
 
+def run(attention, case, start, m):
+    q, k_pages, v_pages, page_table = case
+    out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
+    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
+                     cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
+                     cuda.to_device(np.array([m], np.int32)), out)
+    return out.copy_to_host()[:m]
+
+
+def check(got, case, start, m, label):
+    expected, tolerance = reference_and_bound(*case, start, m, segment_keys=KEY_TILE)
+    error = np.abs(got.astype(np.float64) - expected)
+    assert np.all(error <= tolerance), (f"start {start}, m {m}, {label}: max error {np.nanmax(error):.3g}, "
+                                        f"{np.sum(~(error <= tolerance))} elements over their bound "
+                                        f"(at most {tolerance.max():.3g})")
+
+
 @pytest.mark.parametrize("query_tile", [16, 32])
 def test_prefill_attention_matches_causal_reference(query_tile):
     rng = np.random.default_rng(2000 + query_tile)
-    attention = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, query_tile=query_tile)
-    stream = cuda.stream()
-    cases = [(0, 1), (0, 7), (0, 20), (5, 1), (5, 7), (5, 20), (16, 1), (16, 7), (16, 20)] if query_tile == 16 \
-        else [(5, 20)]  # two 16-row warps per head: one past m, one straddling it
+    attention = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, query_tile=query_tile,
+                                       segment_keys=KEY_TILE, split_rows=0)
+    cases = [(0, 1), (0, 7), (0, 20), (5, 1), (5, 7), (5, 20), (16, 1), (16, 7), (16, 20), (40, 20)] \
+        if query_tile == 16 else [(5, 20)]  # two 16-row warps per head: one past m, one straddling it
     for start, m in cases:
-        q, k_pages, v_pages, page_table = random_case(rng, start, m)
-        out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
-        attention.launch(stream, cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
-                         cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
-                         cuda.to_device(np.array([m], np.int32)), out)
-        expected, tolerance = reference_and_bound(q, k_pages, v_pages, page_table, start, m)
-        got = out.copy_to_host()[:m].astype(np.float64)
-        error = np.abs(got - expected)
-        assert np.all(error <= tolerance), (f"start {start}, m {m}, query tile {query_tile}: max error "
-                                            f"{np.nanmax(error):.3g}, {np.sum(~(error <= tolerance))} elements "
-                                            f"over their bound (at most {tolerance.max():.3g})")
+        case = random_case(rng, start, m)
+        check(run(attention, case, start, m), case, start, m, f"query tile {query_tile}")
+
+
+def test_split_segments_give_the_whole_kernels_bits():
+    """Rows whose keys span 1 to 2 segments, rows that see none of a segment's keys (position 31 in a
+    warp reaching 46), and a block past m: split and whole agree bit for bit, both within the bound."""
+    rng = np.random.default_rng(2024)
+    whole = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, segment_keys=KEY_TILE, split_rows=0)
+    split = make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, segment_keys=KEY_TILE,
+                                   split_rows=M_CAP)
+    for start, m in [(0, 20), (31, 16), (44, 20)]:
+        case = random_case(rng, start, m)
+        got_whole, got_split = run(whole, case, start, m), run(split, case, start, m)
+        check(got_split, case, start, m, "split")
+        assert np.array_equal(got_whole.view(np.uint16), got_split.view(np.uint16)), \
+            f"start {start}, m {m}: {np.sum(got_whole.view(np.uint16) != got_split.view(np.uint16))} elements differ"

@@ -1,0 +1,380 @@
+"""The kernels of kernels/attention_prefill.py (which owns what they compute, the launch and the
+cost model): whole, split and merge, built per attention shape from shared device functions, so that
+the three forms do the same arithmetic per row and give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, types
+
+from ..ptx import SIMULATOR
+from ..ptx.half2 import float2_to_half2
+from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
+    ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
+from ..ptx.warp import shfl_xor
+from . import PAGE_SIZE
+
+KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
+STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
+QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head
+# Keys per segment: each row's softmax state restarts at every multiple of this and is folded into
+# the running state in segment order (module docstring). 16 key tiles: a fold costs a lane ~200
+# instructions against ~250 for each of the segment's tiles, and a 22-row chunk over 4006 cached
+# keys has 8 segments, so 64 blocks instead of 8.
+SEGMENT_KEYS = 512
+SPLIT_ROWS = 128  # chunks of at most this many rows (M_cap) run each segment in a block of its own
+MERGE_PARTS = 4  # blocks of the merge per (row block, kv head): each folds a quarter of the O accumulators
+# Registers per thread, so that two 7-warp blocks (7B, query tile 16) fit an SM. Registers are
+# split between the SM's four schedulers, 16384 each, and 14 warps put 4 on some of them: 4 x 32 x
+# 128 = 16384. At 144 (no spills) only one block fitted, and the kernel ran latency-bound at 7 warps
+# a SM; at 128 ptxas spills 72 bytes, and a 32000-token prompt's attention took 36.9 ms a layer
+# against 48.3 (1.7% slower at 2048 tokens: docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
+REGISTER_CAP = 128
+JIT_OPTIONS = {} if SIMULATOR else {"max_registers": REGISTER_CAP}  # the simulator takes no such option
+U = np.uint32  # unsigned index arithmetic: no negative-index checks
+
+
+def state_values(head_dim: int) -> int:
+    """Floats of one lane's softmax state: the O accumulators, then the two row sums and maxima."""
+    return 4 * (head_dim // 8) + 4
+
+
+
+@functools.cache  # one compile per shape a process: every engine it loads (validate loads six) shares it
+def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, max_segments):
+    """(whole, split, merge): the kernel that walks all of a block's segments, and the pair that
+    computes each segment in a block of its own, then folds them (module docstring)."""
+    GROUP = num_heads // num_kv_heads  # query heads per KV head
+    ROW_TILES = query_tile // 16  # 16-row mma tiles of positions per block
+    WARPS = GROUP * ROW_TILES
+    THREADS = 32 * WARPS
+    QUERY_ROWS = query_tile
+    ROW_WORDS = head_dim // 2  # one K/V row in global memory, as half2 words
+    SMEM_ROW_WORDS = ROW_WORDS + 4  # padded row: ldmatrix's 8 row addresses hit 8 bank groups
+    TILE_WORDS = KEY_TILE * SMEM_ROW_WORDS
+    RING_WORDS = STAGES * TILE_WORDS
+    ROW_CHUNKS = head_dim // 8  # 16-byte copies per row
+    TILE_CHUNKS = KEY_TILE * ROW_CHUNKS
+    SLOT_WORDS = ROW_WORDS
+    KV_HEAD_WORDS = PAGE_SIZE * ROW_WORDS  # one (page, kv head) tile
+    PAGE_WORDS = num_kv_heads * KV_HEAD_WORDS
+    OUT_ROW_WORDS = num_heads * head_dim // 2
+    DIM_STEPS = head_dim // 16  # k steps of Q K^T
+    KEY_NTILES = KEY_TILE // 8  # n tiles of S
+    KEY_STEPS = KEY_TILE // 16  # k steps of P V
+    DIM_NTILES = head_dim // 8  # n tiles of O
+    Q_REGISTERS, S_REGISTERS, O_REGISTERS = 4 * DIM_STEPS, 4 * KEY_NTILES, 4 * DIM_NTILES  # per lane
+    STATE = state_values(head_dim)
+    SUM_LO, SUM_HI, MAX_LO, MAX_HI = O_REGISTERS, O_REGISTERS + 1, O_REGISTERS + 2, O_REGISTERS + 3
+    SEGMENT_TILES = segment_keys // KEY_TILE
+    MAX_SEGMENTS = max_segments
+    RECORD_FLOATS = WARPS * STATE * 32  # one (row block, kv head, segment) of the split kernel
+    PART_NTILES = DIM_NTILES // MERGE_PARTS
+    PART_VALUES = 4 * PART_NTILES  # a merge thread's O accumulators
+    Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(head_dim))
+    NEG_INF = np.float32(-np.inf)
+    ZERO = np.float32(0.0)
+    ONE = np.float32(1.0)
+
+    @cuda.jit(device=True, inline="always")
+    def block_rows(row_count, start_position):
+        """(m, start, first row of this block, the block's last needed key, its key tiles)."""
+        m = U(row_count[0])
+        start = U(start_position[0])
+        first_row = U(cuda.gridDim.x - 1 - cuda.blockIdx.x) * U(QUERY_ROWS)  # longest blocks first
+        last_key = start + min(first_row + U(QUERY_ROWS), m) - U(1)
+        return m, start, first_row, last_key, last_key // U(KEY_TILE) + U(1)
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(k_words, v_words, page_table, k_ring, v_ring, stage, first_key, last_key, kv_head):
+        """Issue this thread's cp.async share of keys first_key..+KEY_TILE-1 (K and V) into `stage`;
+        keys past last_key are zero-filled and not read."""
+        for i in range(-(-TILE_CHUNKS // THREADS)):
+            c = U(cuda.threadIdx.x) + U(i * THREADS)
+            if TILE_CHUNKS % THREADS == 0 or c < TILE_CHUNKS:
+                row, chunk = c // U(ROW_CHUNKS), c % U(ROW_CHUNKS)
+                key = first_key + row
+                dst = stage * U(TILE_WORDS) + row * U(SMEM_ROW_WORDS) + chunk * U(4)
+                src, size = U(0), U(0)
+                if key <= last_key:
+                    page = U(page_table[key // U(PAGE_SIZE)])
+                    src = page * U(PAGE_WORDS) + kv_head * U(KV_HEAD_WORDS) + (key % U(PAGE_SIZE)) * U(SLOT_WORDS) \
+                        + chunk * U(4)
+                    size = U(16)
+                cp_async_16(k_ring, dst, k_words, src, size)
+                cp_async_16(v_ring, dst, v_words, src, size)
+
+    @cuda.jit(device=True, inline="always")
+    def load_q(q, m, warp_row, head, gid, tid, q_frag):
+        """A fragments of Q (pre-scaled, FP16): register 4 kk + half + 2 side holds row gid + 8 half,
+        dims 16 kk + 8 side + 2 tid, +1. Rows >= m are zeros (their q may be anything)."""
+        for kk in range(DIM_STEPS):
+            for half in range(2):
+                row = warp_row + gid + U(8 * half)
+                for side in range(2):
+                    dim = U(16 * kk + 8 * side) + U(2) * tid
+                    x0, x1 = ZERO, ZERO
+                    if row < m:
+                        x0 = q[row, head, dim] * Q_SCALE
+                        x1 = q[row, head, dim + U(1)] * Q_SCALE
+                    q_frag[4 * kk + half + 2 * side] = float2_to_half2(x0, x1)
+
+    @cuda.jit(device=True, inline="always")
+    def reset(state):
+        """An empty softmax state: no keys seen."""
+        for i in range(O_REGISTERS):
+            state[i] = ZERO
+        state[SUM_LO], state[SUM_HI] = ZERO, ZERO
+        state[MAX_LO], state[MAX_HI] = NEG_INF, NEG_INF
+
+    @cuda.jit(device=True, inline="always")
+    def attend_tile(k_ring, v_ring, base, first_key, warp_position, lane, gid, tid, q_frag, s, state):
+        """Add the key tile at `base` of the ring (keys first_key..+31) into this lane's state."""
+        # S = Q K^T. Lane 8i + r points at key row 8j + r, dims 32 kk2 + 8i: matrices 0, 1 are
+        # b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
+        for j in range(KEY_NTILES):
+            c0, c1, c2, c3 = ZERO, ZERO, ZERO, ZERO
+            for kk2 in range(DIM_STEPS // 2):
+                b0, b1, b2, b3 = ldmatrix_x4(k_ring, base + (U(8 * j) + lane % U(8)) * U(SMEM_ROW_WORDS)
+                                             + U(16 * kk2) + U(4) * (lane // U(8)))
+                a = 8 * kk2
+                c0, c1, c2, c3 = mma_m16n8k16(q_frag[a], q_frag[a + 1], q_frag[a + 2], q_frag[a + 3],
+                                              b0, b1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma_m16n8k16(q_frag[a + 4], q_frag[a + 5], q_frag[a + 6], q_frag[a + 7],
+                                              b2, b3, c0, c1, c2, c3)
+            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = c0, c1, c2, c3
+
+        if first_key + U(KEY_TILE - 1) > warp_position:  # the tile reaches past some row's position
+            for j in range(KEY_NTILES):
+                for e in range(4):
+                    key = first_key + U(8 * j + e % 2) + U(2) * tid
+                    if key > warp_position + gid + U(8 * (e // 2)):
+                        s[4 * j + e] = NEG_INF
+
+        tile_lo, tile_hi = NEG_INF, NEG_INF
+        for j in range(KEY_NTILES):
+            tile_lo = max(tile_lo, max(s[4 * j], s[4 * j + 1]))
+            tile_hi = max(tile_hi, max(s[4 * j + 2], s[4 * j + 3]))
+        for mask in (1, 2):  # the 4 lanes of a quad hold one row's columns
+            tile_lo = max(tile_lo, shfl_xor(tile_lo, mask))
+            tile_hi = max(tile_hi, shfl_xor(tile_hi, mask))
+        # A row may have seen no key of its segment yet (its position is below the segment's first
+        # key while other rows of the warp are past it): its maximum stays -inf, and exp2 is taken
+        # relative to 0 instead, so that every weight and rescaling is exp2(-inf) = 0, not NaN.
+        new_lo, new_hi = max(state[MAX_LO], tile_lo), max(state[MAX_HI], tile_hi)
+        ref_lo = new_lo if new_lo != NEG_INF else ZERO
+        ref_hi = new_hi if new_hi != NEG_INF else ZERO
+        scale_lo, scale_hi = math.exp2(state[MAX_LO] - ref_lo), math.exp2(state[MAX_HI] - ref_hi)
+        state[MAX_LO], state[MAX_HI] = new_lo, new_hi
+        sum_lo, sum_hi = state[SUM_LO] * scale_lo, state[SUM_HI] * scale_hi
+        for j in range(DIM_NTILES):
+            state[4 * j] *= scale_lo
+            state[4 * j + 1] *= scale_lo
+            state[4 * j + 2] *= scale_hi
+            state[4 * j + 3] *= scale_hi
+        for j in range(KEY_NTILES):
+            s[4 * j] = math.exp2(s[4 * j] - ref_lo)
+            s[4 * j + 1] = math.exp2(s[4 * j + 1] - ref_lo)
+            s[4 * j + 2] = math.exp2(s[4 * j + 2] - ref_hi)
+            s[4 * j + 3] = math.exp2(s[4 * j + 3] - ref_hi)
+            sum_lo += s[4 * j] + s[4 * j + 1]
+            sum_hi += s[4 * j + 2] + s[4 * j + 3]
+        state[SUM_LO], state[SUM_HI] = sum_lo, sum_hi
+
+        # O += P V. The S accumulators of key n tiles 2 ks, 2 ks + 1 are the A fragment of key
+        # step ks. Lane 8i + r points at key row 16 ks + 8 (i % 2) + r, dims 16 jp + 8 (i // 2):
+        # transposed, matrices 0, 1 are b0, b1 of dim n tile 2 jp, matrices 2, 3 of 2 jp + 1.
+        for ks in range(KEY_STEPS):
+            p = 8 * ks
+            a0 = float2_to_half2(s[p], s[p + 1])
+            a1 = float2_to_half2(s[p + 2], s[p + 3])
+            a2 = float2_to_half2(s[p + 4], s[p + 5])
+            a3 = float2_to_half2(s[p + 6], s[p + 7])
+            for jp in range(DIM_NTILES // 2):
+                b0, b1, b2, b3 = ldmatrix_x4_trans(
+                    v_ring, base + (U(16 * ks) + U(8) * ((lane // U(8)) % U(2)) + lane % U(8)) * U(SMEM_ROW_WORDS)
+                    + U(8 * jp) + U(4) * (lane // U(16)))
+                o = 8 * jp
+                state[o], state[o + 1], state[o + 2], state[o + 3] = mma_m16n8k16(
+                    a0, a1, a2, a3, b0, b1, state[o], state[o + 1], state[o + 2], state[o + 3])
+                state[o + 4], state[o + 5], state[o + 6], state[o + 7] = mma_m16n8k16(
+                    a0, a1, a2, a3, b2, b3, state[o + 4], state[o + 5], state[o + 6], state[o + 7])
+
+    @cuda.jit(device=True, inline="always")
+    def fold_scales(running_max, segment_max):
+        """(maximum, a, b) that fold a segment into the running state: x = fma(x_running, a, x_segment * b)."""
+        both = max(running_max, segment_max)
+        ref = both if both != NEG_INF else ZERO
+        return both, math.exp2(running_max - ref), math.exp2(segment_max - ref)
+
+    @cuda.jit(device=True, inline="always")
+    def fold_into_shared(running, run_at, state):
+        """running = running folded with state (this lane's values in shared memory, 32 apart)."""
+        both_lo, a_lo, b_lo = fold_scales(running[run_at + U(32 * MAX_LO)], state[MAX_LO])
+        both_hi, a_hi, b_hi = fold_scales(running[run_at + U(32 * MAX_HI)], state[MAX_HI])
+        for i in range(O_REGISTERS):
+            at = run_at + U(32 * i)
+            if i % 4 < 2:
+                running[at] = cuda.fma(running[at], a_lo, state[i] * b_lo)
+            else:
+                running[at] = cuda.fma(running[at], a_hi, state[i] * b_hi)
+        running[run_at + U(32 * SUM_LO)] = cuda.fma(running[run_at + U(32 * SUM_LO)], a_lo, state[SUM_LO] * b_lo)
+        running[run_at + U(32 * SUM_HI)] = cuda.fma(running[run_at + U(32 * SUM_HI)], a_hi, state[SUM_HI] * b_hi)
+        running[run_at + U(32 * MAX_LO)] = both_lo
+        running[run_at + U(32 * MAX_HI)] = both_hi
+
+    @cuda.jit(device=True, inline="always")
+    def walk_tiles(k_words, v_words, page_table, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
+                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at):
+        """Tiles first_tile..end_tile - 1 into `state` through the two-stage ring (tile first_tile
+        already issued). Each segment that ends before end_tile is folded into `running` (shared
+        memory; this lane's value v at run_at + 32 v) and `state` restarts; a range within one
+        segment (the split kernel's) never folds."""
+        for kt in range(first_tile, end_tile):
+            stage = kt % U(STAGES)
+            cp_async_wait_group(0)
+            # Tile kt is visible to every thread, and every warp is done with tile kt - 1, whose
+            # stage is refilled next.
+            cuda.syncthreads()
+            if kt + U(1) < end_tile:
+                load_tile(k_words, v_words, page_table, k_ring, v_ring, (kt + U(1)) % U(STAGES),
+                          (kt + U(1)) * U(KEY_TILE), last_key, kv_head)
+            cp_async_commit_group()
+            first_key = kt * U(KEY_TILE)
+            # A tile wholly in the future of every row of this warp would add nothing: skipped.
+            if first_key <= warp_position + U(15):
+                attend_tile(k_ring, v_ring, stage * U(TILE_WORDS), first_key, warp_position, lane, gid, tid, q_frag,
+                            s, state)
+            if (kt + U(1)) % U(SEGMENT_TILES) == U(0) and kt + U(1) < end_tile:
+                fold_into_shared(running, run_at, state)
+                reset(state)
+        cp_async_wait_group(0)  # the last (empty) group: nothing of this block is left in flight
+
+    @cuda.jit(device=True, inline="always")
+    def store_rows(out_words, m, warp_row, head, gid, tid, acc, sum_lo, sum_hi, part, parts):
+        """attn of this lane's two rows below m at O n tiles part * parts ..+parts - 1, whose
+        accumulators acc holds from index 0: acc / row sum, the row sum reduced over the quad."""
+        for mask in (1, 2):
+            sum_lo += shfl_xor(sum_lo, mask)
+            sum_hi += shfl_xor(sum_hi, mask)
+        for half in range(2):
+            row = warp_row + gid + U(8 * half)
+            if row < m:
+                inverse = ONE / (sum_lo if half == 0 else sum_hi)
+                at = row * U(OUT_ROW_WORDS) + head * U(ROW_WORDS) + tid
+                for jj in range(parts):
+                    j = part * U(parts) + U(jj)
+                    out_words[at + U(4) * j] = float2_to_half2(acc[4 * jj + 2 * half] * inverse,
+                                                               acc[4 * jj + 2 * half + 1] * inverse)
+
+    @cuda.jit(device=True, inline="always")
+    def lane_rows(first_row, start):
+        """(warp, lane, gid, tid, head, warp_row, warp_position) of this thread in block (., kv head)."""
+        warp, lane = U(cuda.threadIdx.x) // U(32), U(cuda.threadIdx.x) % U(32)
+        head = U(cuda.blockIdx.y) * U(GROUP) + warp % U(GROUP)
+        warp_row = first_row + U(16) * (warp // U(GROUP))  # this warp's 16 rows start here
+        return warp, lane, lane // U(4), lane % U(4), head, warp_row, start + warp_row
+
+    @cuda.jit(device=True, inline="always")
+    def record_at(segment, warp, lane):
+        """This lane's value 0 in the split kernel's record of (row block, kv head, segment, warp)."""
+        block = U(cuda.blockIdx.x) * U(num_kv_heads) + U(cuda.blockIdx.y)
+        return (U(block * U(MAX_SEGMENTS) + segment) * U(WARPS) + warp) * U(STATE * 32) + lane
+
+    @cuda.jit(**JIT_OPTIONS)
+    def prefill_attention(q, k_words, v_words, page_table, start_position, row_count, out_words):
+        """Every segment of the block's keys in turn, folded into a running state in shared memory."""
+        k_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
+        v_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
+        running = cuda.shared.array(0, types.float32)  # dynamic: WARPS x STATE x 32 lanes
+        m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
+        if first_row >= m:
+            return
+        kv_head = U(cuda.blockIdx.y)
+        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
+        load_tile(k_words, v_words, page_table, k_ring, v_ring, U(0), U(0), last_key, kv_head)
+        cp_async_commit_group()
+        q_frag = cuda.local.array(Q_REGISTERS, types.uint32)
+        load_q(q, m, warp_row, head, gid, tid, q_frag)
+        state = cuda.local.array(STATE, types.float32)  # the segment's: O (c0, c1 row gid; c2, c3 row gid + 8), ...
+        reset(state)
+        s = cuda.local.array(S_REGISTERS, types.float32)
+        run_at = warp * U(STATE * 32) + lane
+        for v in range(STATE):
+            running[run_at + U(32 * v)] = NEG_INF if v >= MAX_LO else ZERO
+        walk_tiles(k_words, v_words, page_table, k_ring, v_ring, U(0), key_tiles, last_key, kv_head, warp_position,
+                   lane, gid, tid, q_frag, s, state, running, run_at)
+        # The last segment: the same fold, into registers.
+        _, a_lo, b_lo = fold_scales(running[run_at + U(32 * MAX_LO)], state[MAX_LO])
+        _, a_hi, b_hi = fold_scales(running[run_at + U(32 * MAX_HI)], state[MAX_HI])
+        for i in range(O_REGISTERS):
+            if i % 4 < 2:
+                state[i] = cuda.fma(running[run_at + U(32 * i)], a_lo, state[i] * b_lo)
+            else:
+                state[i] = cuda.fma(running[run_at + U(32 * i)], a_hi, state[i] * b_hi)
+        sum_lo = cuda.fma(running[run_at + U(32 * SUM_LO)], a_lo, state[SUM_LO] * b_lo)
+        sum_hi = cuda.fma(running[run_at + U(32 * SUM_HI)], a_hi, state[SUM_HI] * b_hi)
+        store_rows(out_words, m, warp_row, head, gid, tid, state, sum_lo, sum_hi, U(0), DIM_NTILES)
+
+    @cuda.jit(**JIT_OPTIONS)
+    def prefill_attention_split(q, k_words, v_words, page_table, start_position, row_count, records):
+        """Block (x, kv head, segment): that segment's keys only; its state goes to `records`."""
+        k_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
+        v_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
+        unused = cuda.shared.array(1, types.float32)  # walk_tiles' running state: one segment never folds
+        m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
+        segment = U(cuda.blockIdx.z)
+        first_tile = segment * U(SEGMENT_TILES)
+        if first_row >= m or first_tile >= key_tiles:
+            return
+        end_tile = min(first_tile + U(SEGMENT_TILES), key_tiles)
+        kv_head = U(cuda.blockIdx.y)
+        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
+        load_tile(k_words, v_words, page_table, k_ring, v_ring, first_tile % U(STAGES), first_tile * U(KEY_TILE),
+                  last_key, kv_head)
+        cp_async_commit_group()
+        q_frag = cuda.local.array(Q_REGISTERS, types.uint32)
+        load_q(q, m, warp_row, head, gid, tid, q_frag)
+        state = cuda.local.array(STATE, types.float32)
+        reset(state)
+        s = cuda.local.array(S_REGISTERS, types.float32)
+        walk_tiles(k_words, v_words, page_table, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
+                   warp_position, lane, gid, tid, q_frag, s, state, unused, U(0))
+        at = record_at(segment, warp, lane)
+        for v in range(STATE):
+            records[at + U(32 * v)] = state[v]
+
+    @cuda.jit
+    def prefill_attention_merge(start_position, row_count, records, out_words):
+        """Block (x, kv head, part): the segments' records folded in segment order, as the whole
+        kernel folds them, for a quarter of the O accumulators; then attn of those dims."""
+        m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
+        if first_row >= m:
+            return
+        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
+        part = U(cuda.blockIdx.z)
+        first_value = part * U(PART_VALUES)
+        acc = cuda.local.array(PART_VALUES, types.float32)
+        for i in range(PART_VALUES):
+            acc[i] = ZERO
+        sum_lo, sum_hi, max_lo, max_hi = ZERO, ZERO, NEG_INF, NEG_INF
+        segments = (key_tiles + U(SEGMENT_TILES - 1)) // U(SEGMENT_TILES)
+        for segment in range(segments):
+            at = record_at(U(segment), warp, lane)
+            max_lo, a_lo, b_lo = fold_scales(max_lo, records[at + U(32 * MAX_LO)])
+            max_hi, a_hi, b_hi = fold_scales(max_hi, records[at + U(32 * MAX_HI)])
+            for i in range(PART_VALUES):
+                value = records[at + U(32) * (first_value + U(i))]
+                if i % 4 < 2:
+                    acc[i] = cuda.fma(acc[i], a_lo, value * b_lo)
+                else:
+                    acc[i] = cuda.fma(acc[i], a_hi, value * b_hi)
+            sum_lo = cuda.fma(sum_lo, a_lo, records[at + U(32 * SUM_LO)] * b_lo)
+            sum_hi = cuda.fma(sum_hi, a_hi, records[at + U(32 * SUM_HI)] * b_hi)
+        store_rows(out_words, m, warp_row, head, gid, tid, acc, sum_lo, sum_hi, part, PART_NTILES)
+
+    return prefill_attention, prefill_attention_split, prefill_attention_merge
