@@ -48,7 +48,8 @@ sums, row maxima) restarts at each segment and is folded into a running state in
 max = max(max_r, max_s), then x = fma(x_r, exp2(max_r - max), x_s * exp2(max_s - max)) for every
 accumulator and sum. The fold is part of what the kernel computes, so two forms give the same bits:
 - whole (prefill_attention): a block walks all its segments, the running state in shared memory
-  (each lane its own 68 floats, no barrier), the last fold into registers;
+  (each lane its own 68 floats, no barrier), the last fold into registers; a block of one segment
+  skips the running state, since folding into the empty state is S + 0;
 - split (chunks of M_cap <= SPLIT_ROWS): prefill_attention_split runs each (row block, kv head,
   segment) in a block of its own, grid z = the segments of max_pages (blocks past the keys exit),
   and stores the segment's state per lane in `records`; then prefill_attention_merge folds the
