@@ -21,7 +21,8 @@
    free) and the client's: TTFT of a one-token request sent right after the drop, minus its TTFT
    on the idle server.
 
-Greedy decoding throughout. The direct and server runs load the same file on the same device.
+Greedy decoding throughout. The direct and server runs load the same file on the same device, at the
+same time (the server in its subprocess while this process loads its own backend).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +44,7 @@ from pynanoqwen.generate import resolve_device, resolve_model
 from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.sampling import SamplingParams
 from pynanoqwen.server.prompts import infill_prompt
-from pynanoqwen.server.run import load_model
+from pynanoqwen.server.run import load_model, model_info
 
 GREEDY = SamplingParams()
 
@@ -159,15 +161,31 @@ def cancel_times(http, url, prefix, repeats) -> dict:
 
 
 def start_server(model: Path, device: str, max_context: int, skip_selfcheck: bool):
+    """(the `serve` subprocess, a function that waits for its URL). Its stderr is relayed from a
+    thread, so the caller can load its own backend while the server loads and prepares."""
     command = [sys.executable, "-m", "pynanoqwen", "serve", "--model", str(model), "--device", device, "--port", "0",
                "--max-context", str(max_context)] + (["--skip-selfcheck"] if skip_selfcheck else [])
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    for line in server.stderr:
-        print(f"[serve] {line.rstrip()}", file=sys.stderr)
-        found = re.search(r"at (http://\S+):", line)
-        if found:
-            return server, found.group(1)
-    raise SystemExit(f"serve exited with code {server.wait()} before printing its URL")
+    found, ready = [], threading.Event()
+
+    def relay():
+        for line in server.stderr:
+            print(f"[serve] {line.rstrip()}", file=sys.stderr)
+            url = re.search(r"at (http://\S+):", line)
+            if url and not found:
+                found.append(url.group(1))
+                ready.set()
+        ready.set()  # the server exited
+
+    threading.Thread(target=relay, daemon=True).start()
+
+    def url() -> str:
+        ready.wait()
+        if not found:
+            raise SystemExit(f"serve exited with code {server.wait()} before printing its URL")
+        return found[0]
+
+    return server, url
 
 
 def main(argv=None) -> dict:
@@ -183,13 +201,15 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     model_path = resolve_model(args.model)
     device = resolve_device(args.device, lambda line: print(line, file=sys.stderr))
-    max_context = max(args.prompt_tokens + args.gen_tokens, args.context_tokens + 256)
-    backend, info = load_model(model_path, device, max_context, self_check=False,
-                               on_status=lambda line: print(f"[direct] {line}", file=sys.stderr))
-    tokenizer, max_context = info.tokenizer, info.max_context
-    prompts = [prompt_of(tokenizer, args.prompt_tokens, run) for run in range(2 + args.repeats)]
-    server, url = start_server(model_path, device, max_context, args.skip_selfcheck)
+    wanted = max(args.prompt_tokens + args.gen_tokens, args.context_tokens + 256)
+    max_context = model_info(model_path, wanted).max_context
+    server, server_url = start_server(model_path, device, max_context, args.skip_selfcheck)  # loads beside ours
     try:
+        backend, info = load_model(model_path, device, max_context, self_check=False,
+                                   on_status=lambda line: print(f"[direct] {line}", file=sys.stderr))
+        tokenizer = info.tokenizer
+        prompts = [prompt_of(tokenizer, args.prompt_tokens, run) for run in range(2 + args.repeats)]
+        url = server_url()
         with httpx.Client(base_url=url, timeout=600) as http:
             times = overhead_times(Direct(backend, tokenizer), http, tokenizer, prompts[1:], args.gen_tokens)
             infill = infill_times(http, tokenizer, min(args.context_tokens, max_context - 64), args.repeats)

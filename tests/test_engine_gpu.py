@@ -506,6 +506,15 @@ def test_kv_cache_size_of_7b_at_32k_context():
     assert needed["rope tables"] == 2 * 32768 * 64 * 4
 
 
+def test_the_split_prefill_attentions_records_are_counted():
+    """Prefill attention's split form keeps a lane's 68 floats for every (row block of 16 in 128 rows,
+    KV head, 512-key segment, warp): 8 x 4 x 64 x 7 x 32 x 68 floats at 7B and 32768 positions."""
+    with_prefill = device_bytes(SEVEN_B, weight_bytes=0, max_context=32768, attention_splits=H200_SM_COUNT // 4)
+    without = device_bytes(SEVEN_B, weight_bytes=0, max_context=32768, prefill_rows=0,
+                           attention_splits=H200_SM_COUNT // 4)
+    assert with_prefill["workspaces"] - without["workspaces"] == 4 * 8 * 4 * 64 * 7 * 32 * 68
+
+
 @pytest.mark.parametrize("first", [0, 16, 2032])
 @pytest.mark.parametrize("tokens", [1, 15, 16, 2047, 2048, 2049, 2064, 2065, 4096, 4100, 5000])
 def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens, first):

@@ -91,3 +91,11 @@ def test_split_segments_give_the_whole_kernels_bits():
         check(got_split, case, start, m, "split")
         assert np.array_equal(got_whole.view(np.uint16), got_split.view(np.uint16)), \
             f"start {start}, m {m}: {np.sum(got_whole.view(np.uint16) != got_split.view(np.uint16))} elements differ"
+
+
+@pytest.mark.parametrize("segment_keys", [0, 16, 48])
+def test_a_segment_that_is_not_whole_key_tiles_is_refused(segment_keys):
+    from pynanoqwen.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="segment_keys"):
+        make_prefill_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, segment_keys=segment_keys)
