@@ -82,10 +82,10 @@ that is ~18 us at m = 512 (one wave of 128 blocks: the longest, 16 key tiles, se
 ~140 us at 2048, ~410 us for the second chunk. K/V traffic: each block reads its KV head's keys 0..last once
 (512 B per key at head_dim 128, K + V) from L2 mostly: at query tile 16, ~0.8 GB for the second
 2048-row chunk, well under the L2's bandwidth for that time. Registers: 128 (capped, REGISTER_CAP),
-shared memory 95 KiB, so two 7-warp blocks share an SM. A fold costs a lane ~200 instructions a
-segment of 16 tiles (predicted ~4%; measured 5-10%, docs/PERFORMANCE.md). Split, a 22-row chunk
-over 3984 keys runs 64 blocks of at most 16 tiles and a merge that reads 61 KiB of records a
-(row block, kv head, segment). What it reaches is bench's prefill-attention
+shared memory 95 KiB, so two 7-warp blocks share an SM. A fold adds ~360 PTX instructions a
+segment of 16 tiles of ~510 each (predicted ~4%; measured 5-10%, docs/PERFORMANCE.md). Split, a
+22-row chunk over 3984 keys runs 64 blocks of at most 16 tiles and a merge that reads 61 KiB of
+records a (row block, kv head, segment). What it reaches is bench's prefill-attention
 table in docs/PERFORMANCE.md (~200 TFLOP/s, a quarter of the bf16 peak, from 8k tokens on).
 """
 

@@ -22,16 +22,16 @@ KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
 STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head
 # Keys per segment: each row's softmax state restarts at every multiple of this and is folded into
-# the running state in segment order (module docstring). 16 key tiles: a fold costs a lane ~200
-# instructions against ~250 for each of the segment's tiles, and a 22-row chunk over 4006 cached
-# keys has 8 segments, so 64 blocks instead of 8.
+# the running state in segment order (kernels/attention_prefill.py's docstring). 16 key tiles: a
+# fold adds ~360 PTX instructions once a segment to a tile loop of ~510 (dev/ptx_loop_mix.py), and
+# a 22-row chunk over 4006 cached keys has 8 segments, so 64 blocks instead of 8.
 SEGMENT_KEYS = 512
 SPLIT_ROWS = 128  # chunks of at most this many rows (M_cap) run each segment in a block of its own
 MERGE_PARTS = 4  # blocks of the merge per (row block, kv head): each folds a quarter of the O accumulators
 # Registers per thread, so that two 7-warp blocks (7B, query tile 16) fit an SM. Registers are
 # split between the SM's four schedulers, 16384 each, and 14 warps put 4 on some of them: 4 x 32 x
 # 128 = 16384. At 144 (no spills) only one block fitted, and the kernel ran latency-bound at 7 warps
-# a SM; at 128 ptxas spills 72 bytes, and a 32000-token prompt's attention took 36.9 ms a layer
+# a SM; at 128 ptxas spills 72-80 bytes, and a 32000-token prompt's attention took 36.9 ms a layer
 # against 48.3 (1.7% slower at 2048 tokens: docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
 REGISTER_CAP = 128
 JIT_OPTIONS = {} if SIMULATOR else {"max_registers": REGISTER_CAP}  # the simulator takes no such option
