@@ -19,6 +19,9 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   of 2048), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
   row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s the H200 reaches
   in dense bf16 (PEAK_TFLOPS).
+- Prefix cache: TTFT of a 4006-token prompt whose first 3990 tokens an earlier request left in the
+  prefix cache (an editor's /infill after one edited line), as serve's engine runs it but without
+  HTTP, next to a prompt of only the tokens it computed (`prefix_cache_ttft`).
 - GEMM table: the tensor-core INT4 GEMM of each linear at M = 512 and 2048 with every tile shape
   (kernels/gemm_int4.py), TFLOP/s, rotating weight copies as the GEMV table does; `default`
   marks the tile the engine uses.
@@ -220,6 +223,9 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.prefill_lengths:
         progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
         result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
+        if backend.max_context > PREFIX_CONTEXT:
+            progress(f"prefix cache: {PREFIX_CONTEXT} prompt tokens, the last {PREFIX_CHANGED} new")
+            result["prefix_cache"] = prefix_cache_ttft(backend, cfg.vocab_size, settings.repeats, rng)
     chunk_rows = backend.prefill_buckets[-1] if backend.prefill_buckets else 0
     backend.close()
     del backend
@@ -317,6 +323,46 @@ def prefill_sweep(backend, lengths, repeats: int, rng) -> list[dict]:
         rows.append({"tokens": tokens, "ttft_ms": ttft, "tok_s": tokens / seconds,
                      "tflops": prefill_flops(cfg, tokens) / seconds / 1e12, "peak_tflops": PEAK_TFLOPS})
     return rows
+
+
+# The cached /infill (docs/PERFORMANCE.md): a repository context whose last 16 tokens an edit changed.
+PREFIX_CONTEXT, PREFIX_CHANGED = 4006, 16
+
+
+def prefix_cache_ttft(backend, vocab_size: int, repeats: int, rng, context: int = PREFIX_CONTEXT,
+                      changed: int = PREFIX_CHANGED) -> dict:
+    """TTFT of a `context`-token prompt whose first context - changed tokens an earlier request left
+    in the prefix cache, run as serve's engine runs it (a PrefixCache lease, generate_paged; no
+    HTTP), against a prompt of as many tokens as it computed with nothing cached. One warm-up each,
+    then `repeats` timed runs: ttft_ms summaries."""
+    from .prefix_cache import PrefixCache
+
+    cache = PrefixCache.for_backend(backend)
+    vocab = min(vocab_size, 4000)
+
+    def first_token(ids: list[int], reuse: bool) -> tuple[float, int]:
+        """(ms to the first token, prompt tokens computed)."""
+        lease = cache.lease(ids, len(ids) + 1, reuse=reuse)
+        start = time.perf_counter()
+        tokens = []
+        for token in backend.generate_paged(ids, SamplingParams(), 1, frozenset(), lease):
+            tokens.append(token)
+            ms = 1e3 * (time.perf_counter() - start)
+        cache.commit(lease, ids + tokens)
+        return ms, len(ids) - lease.cached_tokens
+
+    base = rng.integers(0, vocab, context).tolist()
+    first_token(base, reuse=True)  # leaves the context's pages in the cache
+    warm, cold = [], []
+    for run in range(repeats + 1):
+        edited = base[:context - changed] + rng.integers(0, vocab, changed).tolist()
+        ms, computed = first_token(edited, reuse=True)
+        cold_ms, _ = first_token(rng.integers(0, vocab, computed).tolist(), reuse=False)
+        if run:
+            warm.append(ms)
+            cold.append(cold_ms)
+    return {"prompt_tokens": context, "computed_tokens": computed, "ttft_ms": bench_report.summarize(warm),
+            "cold_ttft_ms": bench_report.summarize(cold)}
 
 
 def prefill_attention_table(cfg: ModelConfig, lengths, chunk_rows: int, launches: int = 2) -> list[dict]:

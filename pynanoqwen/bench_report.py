@@ -17,6 +17,9 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
                peak_tflops
     prefill_attention  one layer's causal prefill attention per prompt length, in the engine's chunks:
                tokens, chunks, us_per_layer, ms_all_layers, tflops, peak_tflops
+    prefix_cache  a prompt most of which the prefix cache holds (bench.prefix_cache_ttft; run when the
+               engine has room for bench.PREFIX_CONTEXT tokens): prompt_tokens, computed_tokens, ttft_ms and
+               cold_ttft_ms (computed_tokens with nothing cached) {median, p10, p90}
     baseline   the same figures for transformers + torch (bf16, static cache, CUDA graph), or absent
 """
 
@@ -161,6 +164,12 @@ def render_markdown(result: dict) -> str:
             lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['m']} | {g['tile']}"
                          f"{' (default)' if g['default'] else ''} | {g['us']:.1f} | {g['tflops']:.0f} | "
                          f"{_peak_share(g)} |")
+    if result.get("prefix_cache"):
+        p = result["prefix_cache"]
+        spread = lambda t: f"{t['median']:.2f} ({t['p10']:.2f}-{t['p90']:.2f})"  # noqa: E731
+        lines += ["", f"prefix cache (serve's engine, no HTTP): TTFT {spread(p['ttft_ms'])} ms for "
+                      f"{p['prompt_tokens']} prompt tokens, {p['computed_tokens']} of them computed; "
+                      f"{spread(p['cold_ttft_ms'])} ms for {p['computed_tokens']} tokens with nothing cached"]
     if result.get("prefill_attention"):
         lines += ["", "| prefill attention (prompt tokens) | chunks | us a layer | ms, all layers | TFLOP/s | "
                       "share of peak |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]

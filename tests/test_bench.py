@@ -41,6 +41,8 @@ def fake_result(rng):
                   "us": 516.0, "tflops": 269.4, "peak_tflops": 790.0}],
         "prefill_attention": [{"tokens": 8192, "chunks": 4, "us_per_layer": 3210.0, "ms_all_layers": 89.9,
                                "tflops": 150.4, "peak_tflops": 790.0}],
+        "prefix_cache": {"prompt_tokens": 4006, "computed_tokens": 22, "ttft_ms": bench_report.summarize([8.2, 8.3]),
+                         "cold_ttft_ms": bench_report.summarize([7.4, 7.5])},
     }
 
 
@@ -73,6 +75,7 @@ def test_markdown_report_has_every_section():
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
     assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 | 34% |" in text
     assert "| 8192 | 4 | 3210.0 | 89.9 | 150 | 19% |" in text
+    assert "TTFT 8.25 (8.21-8.29) ms for 4006 prompt tokens, 22 of them computed; 7.45 (7.41-7.49) ms" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
 
@@ -227,3 +230,19 @@ def test_the_commit_comes_from_the_environment_when_given(monkeypatch):
     assert git_commit() == "abc1234"
     monkeypatch.delenv("PYNANOQWEN_COMMIT")
     assert git_commit() != "abc1234"
+
+
+def test_prefix_cache_ttft_reuses_all_but_the_edited_page_on_the_cpu_reference():
+    """bench.prefix_cache_ttft on the embedded model (CPU reference, which has paged prompts too):
+    of 100 tokens whose last 16 changed, the 80 in whole pages before the edit are reused."""
+    from pynanoqwen.backends import load_backend
+    from pynanoqwen.bench import prefix_cache_ttft
+    from pynanoqwen.cpu_pages import PagedCpuBackend
+    from pynanoqwen.generate import resolve_model
+
+    backend = PagedCpuBackend(load_backend(resolve_model(None), "cpu", 256).model)  # as serve loads it
+    vocab = backend.model.config.vocab_size
+    got = prefix_cache_ttft(backend, vocab, 2, np.random.default_rng(0), context=100, changed=16)
+    assert (got["prompt_tokens"], got["computed_tokens"]) == (100, 20)
+    assert got["ttft_ms"]["n"] == got["cold_ttft_ms"]["n"] == 2
+    assert got["ttft_ms"]["median"] > 0 and got["cold_ttft_ms"]["median"] > 0
