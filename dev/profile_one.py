@@ -5,12 +5,15 @@
     python dev/profile_one.py attention --context 32000
     python dev/profile_one.py gemm --linear gate_up --m 2048 --tile wgmma_128x256
     python dev/profile_one.py prefill_attention --context 32000 --m 1280
+    python dev/profile_one.py prefill_attention --context 4006 --m 22 --bucket 32
 
 Kernels: qkv_rope, o_proj, gate_up, down, lm_head (default GemvPlans, or --plan R,D,W,B), decode
 attention, the prefill GEMM of one linear (qkv, o_proj, gate_up, down_proj) at M rows on a tile of
 gemm_int4_tiles.TILE_NAMES (default: the engine's for that M), and prefill attention of the last
-M rows of a prompt of --context tokens (the engine's 2048-row kernel). Random weights and
-activations; nothing is checked (the tests do that).
+M rows of a prompt of --context tokens in a bucket of --bucket rows (default the engine's 2048; a
+bucket of at most SPLIT_ROWS runs split, two launches a call: split, then merge, so an odd
+--launch-skip profiles the merge). Random weights and activations; nothing is checked (the tests
+do that).
 """
 
 from __future__ import annotations
@@ -59,16 +62,16 @@ def gemm_call(args, rng, stream):
 
 
 def prefill_attention_call(args, rng, stream):
-    """The engine's prefill attention (M_cap 2048) for rows context - m .. context - 1."""
+    """The engine's prefill attention (M_cap = the bucket) for rows context - m .. context - 1."""
     pages = -(-args.context // PAGE_SIZE)
     attention = make_prefill_attention(HEADS, KV_HEADS, HEAD_DIM, pages)
     k, v = (cuda.to_device(rng.standard_normal((pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)).astype(np.float16))
             for _ in range(2))
     table = cuda.to_device(rng.permutation(pages).astype(np.int32))
-    q = cuda.to_device(rng.standard_normal((PREFILL_ROWS, HEADS, HEAD_DIM)).astype(np.float32))
+    q = cuda.to_device(rng.standard_normal((args.bucket, HEADS, HEAD_DIM)).astype(np.float32))
     bounds = [cuda.to_device(np.array([value], np.int32)) for value in (args.context - args.m, args.m)]
-    out = cuda.device_array((PREFILL_ROWS, HEADS * HEAD_DIM), np.float16)
-    print(f"prefill attention: rows {args.context - args.m}..{args.context - 1}")
+    out = cuda.device_array((args.bucket, HEADS * HEAD_DIM), np.float16)
+    print(f"prefill attention: rows {args.context - args.m}..{args.context - 1} in a {args.bucket}-row bucket")
     return lambda: attention.launch(stream, q, k, v, table, *bounds, out)
 
 
@@ -81,7 +84,10 @@ def main() -> None:
     parser.add_argument("--linear", choices=[row[0] for row in LINEARS], default="gate_up")
     parser.add_argument("--m", type=int, default=2048, help="rows of the prefill GEMM or attention chunk")
     parser.add_argument("--tile", choices=sorted(TILE_NAMES.values()), help="the GEMM's tile")
+    parser.add_argument("--bucket", type=int, default=PREFILL_ROWS, help="prefill attention's M_cap (>= --m)")
     args = parser.parse_args()
+    if args.kernel == "prefill_attention" and not 1 <= args.m <= args.bucket:
+        parser.error(f"--m ({args.m}) must be between 1 and --bucket ({args.bucket})")
     rng = np.random.default_rng(0)
     stream = cuda.stream()
     plan = GemvPlan(*map(int, args.plan.split(","))) if args.plan else None
