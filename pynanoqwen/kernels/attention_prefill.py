@@ -110,7 +110,7 @@ def make_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, max
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim % 32:
         raise ConfigError(f"prefill attention needs head_dim a multiple of 32, got {head_dim}")
-    warps = num_heads // num_kv_heads * (query_tile // 16)
+    warps = block_warps(num_heads, num_kv_heads, query_tile)
     # At ~166 registers a thread, 14 warps (7B, query_tile 32) did not launch on the H200
     # (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: 166 x 448 > 65536 registers); 8 warps always fit.
     if query_tile < 16 or query_tile % 16 or warps > 8:
@@ -132,12 +132,11 @@ class PrefillAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_pages, self.query_tile, self.segment_keys = max_pages, query_tile, segment_keys
         self.split_rows = split_rows
-        self.max_segments = -(-max_pages * PAGE_SIZE // segment_keys)
+        self.max_segments = segment_count(max_pages, segment_keys)
         self.whole, self.split, self.merge = build_kernels(num_heads, num_kv_heads, head_dim, query_tile,
                                                             segment_keys, self.max_segments)
-        warps = num_heads // num_kv_heads * (query_tile // 16)
-        self.block = 32 * warps
-        self.running_bytes = 4 * 32 * warps * state_values(head_dim)  # the whole kernel's dynamic shared memory
+        self.block = 32 * block_warps(num_heads, num_kv_heads, query_tile)
+        self.running_bytes = 4 * self.block * state_values(head_dim)  # the whole kernel's dynamic shared memory
         self.records = (cuda.device_array(split_records(num_heads, num_kv_heads, head_dim, max_pages, query_tile,
                                                         segment_keys, split_rows), np.float32)
                         if split_rows else None)
@@ -178,9 +177,18 @@ class PrefillAttention:
 def split_records(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, query_tile: int = QUERY_TILE,
                   segment_keys: int = SEGMENT_KEYS, split_rows: int = SPLIT_ROWS) -> int:
     """Floats of the split form's records: a lane's state for every (row block, kv head, segment, warp)."""
-    warps = num_heads // num_kv_heads * (query_tile // 16)
-    segments = -(-max_pages * PAGE_SIZE // segment_keys)
-    return -(-split_rows // query_tile) * num_kv_heads * segments * warps * 32 * state_values(head_dim)
+    return (-(-split_rows // query_tile) * num_kv_heads * segment_count(max_pages, segment_keys)
+            * 32 * block_warps(num_heads, num_kv_heads, query_tile) * state_values(head_dim))
+
+
+def block_warps(num_heads: int, num_kv_heads: int, query_tile: int) -> int:
+    """Warps of a block: one 16-row mma tile of positions for each query head of a KV head."""
+    return num_heads // num_kv_heads * (query_tile // 16)
+
+
+def segment_count(max_pages: int, segment_keys: int) -> int:
+    """Segments of the longest context the pages hold: the split form's grid z."""
+    return -(-max_pages * PAGE_SIZE // segment_keys)
 
 
 def attention_flops(start: int, m: int, num_heads: int, head_dim: int) -> int:
@@ -205,8 +213,7 @@ def compile_targets() -> list[CompileTarget]:
     for heads, kv_heads, head_dim, tile, pages, segment in ((28, 4, 128, 16, 2048, SEGMENT_KEYS),
                                                             (28, 4, 128, 32, 2048, SEGMENT_KEYS),
                                                             (4, 2, 32, 16, 8, KEY_TILE)):
-        segments = -(-pages * PAGE_SIZE // segment)
-        kernels = build_kernels(heads, kv_heads, head_dim, tile, segment, segments)
+        kernels = build_kernels(heads, kv_heads, head_dim, tile, segment, segment_count(pages, segment))
         name = f"{heads}/{kv_heads}x{head_dim}, query tile {tile}, {segment}-key segments"
         targets.append(CompileTarget(f"prefill_attention[{name}]", kernels[0], whole, mma + ("fma.rn.f32",)))
         if tile == QUERY_TILE:

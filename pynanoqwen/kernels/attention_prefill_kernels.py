@@ -43,7 +43,6 @@ def state_values(head_dim: int) -> int:
     return 4 * (head_dim // 8) + 4
 
 
-
 @functools.cache  # one compile per shape a process: every engine it loads (validate loads six) shares it
 def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, max_segments):
     """(whole, split, merge): the kernel that walks all of a block's segments, and the pair that
@@ -72,7 +71,6 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     SUM_LO, SUM_HI, MAX_LO, MAX_HI = O_REGISTERS, O_REGISTERS + 1, O_REGISTERS + 2, O_REGISTERS + 3
     SEGMENT_TILES = segment_keys // KEY_TILE
     MAX_SEGMENTS = max_segments
-    RECORD_FLOATS = WARPS * STATE * 32  # one (row block, kv head, segment) of the split kernel
     PART_NTILES = DIM_NTILES // MERGE_PARTS
     PART_VALUES = 4 * PART_NTILES  # a merge thread's O accumulators
     Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(head_dim))
@@ -206,10 +204,16 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
 
     @cuda.jit(device=True, inline="always")
     def fold_scales(running_max, segment_max):
-        """(maximum, a, b) that fold a segment into the running state: x = fma(x_running, a, x_segment * b)."""
+        """(maximum, a, b) that fold a segment into the running state: x = folded(x_running, x_segment, a, b)."""
         both = max(running_max, segment_max)
         ref = both if both != NEG_INF else ZERO
         return both, math.exp2(running_max - ref), math.exp2(segment_max - ref)
+
+    @cuda.jit(device=True, inline="always")
+    def folded(running_value, segment_value, a, b):
+        """One accumulator or row sum folded (a, b from fold_scales). Every form computes exactly this
+        expression, written once, which is what keeps their bits the same."""
+        return cuda.fma(running_value, a, segment_value * b)
 
     @cuda.jit(device=True, inline="always")
     def fold_into_shared(running, run_at, state):
@@ -219,11 +223,11 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         for i in range(O_REGISTERS):
             at = run_at + U(32 * i)
             if i % 4 < 2:
-                running[at] = cuda.fma(running[at], a_lo, state[i] * b_lo)
+                running[at] = folded(running[at], state[i], a_lo, b_lo)
             else:
-                running[at] = cuda.fma(running[at], a_hi, state[i] * b_hi)
-        running[run_at + U(32 * SUM_LO)] = cuda.fma(running[run_at + U(32 * SUM_LO)], a_lo, state[SUM_LO] * b_lo)
-        running[run_at + U(32 * SUM_HI)] = cuda.fma(running[run_at + U(32 * SUM_HI)], a_hi, state[SUM_HI] * b_hi)
+                running[at] = folded(running[at], state[i], a_hi, b_hi)
+        running[run_at + U(32 * SUM_LO)] = folded(running[run_at + U(32 * SUM_LO)], state[SUM_LO], a_lo, b_lo)
+        running[run_at + U(32 * SUM_HI)] = folded(running[run_at + U(32 * SUM_HI)], state[SUM_HI], a_hi, b_hi)
         running[run_at + U(32 * MAX_LO)] = both_lo
         running[run_at + U(32 * MAX_HI)] = both_hi
 
@@ -312,20 +316,20 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
                 running[run_at + U(32 * v)] = NEG_INF if v >= MAX_LO else ZERO
         walk_tiles(k_words, v_words, page_table, k_ring, v_ring, U(0), key_tiles, last_key, kv_head, warp_position,
                    lane, gid, tid, q_frag, s, state, running, run_at)
-        sum_lo, sum_hi = state[SUM_LO] + ZERO, state[SUM_HI] + ZERO
         if single:
             for i in range(O_REGISTERS):
                 state[i] = state[i] + ZERO
+            sum_lo, sum_hi = state[SUM_LO] + ZERO, state[SUM_HI] + ZERO
         else:  # the last segment: the same fold, into registers
             _, a_lo, b_lo = fold_scales(running[run_at + U(32 * MAX_LO)], state[MAX_LO])
             _, a_hi, b_hi = fold_scales(running[run_at + U(32 * MAX_HI)], state[MAX_HI])
             for i in range(O_REGISTERS):
                 if i % 4 < 2:
-                    state[i] = cuda.fma(running[run_at + U(32 * i)], a_lo, state[i] * b_lo)
+                    state[i] = folded(running[run_at + U(32 * i)], state[i], a_lo, b_lo)
                 else:
-                    state[i] = cuda.fma(running[run_at + U(32 * i)], a_hi, state[i] * b_hi)
-            sum_lo = cuda.fma(running[run_at + U(32 * SUM_LO)], a_lo, state[SUM_LO] * b_lo)
-            sum_hi = cuda.fma(running[run_at + U(32 * SUM_HI)], a_hi, state[SUM_HI] * b_hi)
+                    state[i] = folded(running[run_at + U(32 * i)], state[i], a_hi, b_hi)
+            sum_lo = folded(running[run_at + U(32 * SUM_LO)], state[SUM_LO], a_lo, b_lo)
+            sum_hi = folded(running[run_at + U(32 * SUM_HI)], state[SUM_HI], a_hi, b_hi)
         store_rows(out_words, m, warp_row, head, gid, tid, state, sum_lo, sum_hi, U(0), DIM_NTILES)
 
     @cuda.jit(**JIT_OPTIONS)
@@ -378,11 +382,11 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             for i in range(PART_VALUES):
                 value = records[at + U(32) * (first_value + U(i))]
                 if i % 4 < 2:
-                    acc[i] = cuda.fma(acc[i], a_lo, value * b_lo)
+                    acc[i] = folded(acc[i], value, a_lo, b_lo)
                 else:
-                    acc[i] = cuda.fma(acc[i], a_hi, value * b_hi)
-            sum_lo = cuda.fma(sum_lo, a_lo, records[at + U(32 * SUM_LO)] * b_lo)
-            sum_hi = cuda.fma(sum_hi, a_hi, records[at + U(32 * SUM_HI)] * b_hi)
+                    acc[i] = folded(acc[i], value, a_hi, b_hi)
+            sum_lo = folded(sum_lo, records[at + U(32 * SUM_LO)], a_lo, b_lo)
+            sum_hi = folded(sum_hi, records[at + U(32 * SUM_HI)], a_hi, b_hi)
         store_rows(out_words, m, warp_row, head, gid, tid, acc, sum_lo, sum_hi, part, PART_NTILES)
 
     return prefill_attention, prefill_attention_split, prefill_attention_merge
