@@ -50,6 +50,7 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
     None: the engine's default on the current device (kernels/attention_decode.py)."""
     pages = -(-max_context // PAGE_SIZE)
     splits = default_num_splits(cfg.num_kv_heads) if attention_splits is None else attention_splits
+    split_attention = 4 * split_records(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pages) if prefill_rows else 0
     return {
         "weights": weight_bytes,
         "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
@@ -59,8 +60,7 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
         "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
                                 if prefill_rows else 0),
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
-                       + 4 * cfg.num_kv_heads
-                       + (4 * split_records(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pages) if prefill_rows else 0)),
+                       + 4 * cfg.num_kv_heads + split_attention),
         "reserve": RESERVED_BYTES,
     }
 
