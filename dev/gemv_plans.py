@@ -3,7 +3,6 @@ back-to-back programmatic launches and as plain launches, on the GPU.
 
     python dev/gemv_plans.py [--shapes qkv,o_proj] [--hot] [--json out.json]
     python dev/gemv_plans.py --epilogues
-    python dev/gemv_plans.py --pipeline [--shapes ...]
 
 Each call reads a different copy of the weights (enough copies to exceed the L2 twice), so every
 call streams from HBM, as one decode step does layer after layer; with --hot every call reads the
@@ -12,17 +11,11 @@ prefetched into L2 while a kernel before it leaves the memory idle; calls are ca
 graph and replayed. qkv, gate_up and lm_head read the float32 residual stream and apply their
 RMSNorm (the engine's fused path); o_proj and down add into a float32 residual. Prints a table
 per shape: us per call, GB/s and the share of a device-to-device copy measured first.
-
---pipeline times each shape's default plan (and o_proj's W8 B1) with fewer of its slots requested
-before the wait for x (GemvPlan.prewait) and with items after the slots asked of L2 before it
-(GemvPlan.prefetch): whether staging x waits behind the weight loads a lane issued before the wait
-(docs/PERFORMANCE.md, "where a launch's time goes").
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -58,17 +51,10 @@ PLANS = {
              GemvPlan(4, 4, 8, 1, True)],
     "lm_head": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 8, 1)],
 }
-# --pipeline: (prewait, prefetch) settings, the product's (all slots before the wait, no prefetch) first.
-PIPELINES = [(4, 0), (2, 0), (1, 0), (0, 0), (4, 4), (1, 4), (4, 8), (1, 8)]
 HEADS = (28, 4, 128)  # 7B's query heads, KV heads, head_dim
 # --epilogues: the forms each linear is timed in, the decode step's own form last.
 EPILOGUE_FORMS = {"qkv_rope": ("store", "norm+bias", "norm+rope"), "o_proj": ("store", "norm", "residual"),
                   "gate_up": ("norm+silu",), "down": ("store", "norm", "residual"), "lm_head": ("store", "residual", "norm")}
-
-
-def label(plan) -> str:
-    return (f"R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}{' split' if plan.split_tiles else ''}"
-            f" P{min(plan.prewait, plan.depth)} F{plan.prefetch}")
 
 
 def build(name, n, k, epilogue, plan, rng):
@@ -109,7 +95,7 @@ def time_plan(name, n, k, epilogue, plan, rng, stream, hot: bool) -> dict:
     programmatic = time_graph(stream, enqueue) / calls
     with plain_launches():
         plain = time_graph(stream, enqueue) / calls
-    return {"shape": name, "n": n, "k": k, "plan": dataclasses.astuple(plan),
+    return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm, plan.split_tiles],
             "grid": gemvs[0]._input.grid, "bytes": nbytes, "us": programmatic * 1e6, "plain_us": plain * 1e6,
             "default": plan == (ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices))}
 
@@ -123,8 +109,6 @@ def main() -> None:
                         help="instead: each linear at its default plan in the forms of EPILOGUE_FORMS (what staging "
                              "and epilogue cost: float16 x stored, added into a residual, a fused RMSNorm of h, qkv's "
                              "bias and RoPE epilogues), twice")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="instead: the default plans with fewer slots requested before the wait, and L2 prefetches")
     args = parser.parse_args()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy / 1e9:.0f} GB/s")
@@ -147,17 +131,13 @@ def main() -> None:
         plans = list(PLANS["small" if name in ("qkv", "o_proj") else name])
         if name != "qkv_rope" and default_plan(n, k, matrices) not in plans:
             plans.insert(0, default_plan(n, k, matrices))
-        if args.pipeline:
-            bases = [ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices)]
-            bases += [GemvPlan(2, 4, 8, 1)] if name == "o_proj" else []
-            plans = [dataclasses.replace(base, prewait=w, prefetch=f) for base in bases for w, f in PIPELINES]
         for plan in plans:
             row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot)
             row["gbs"] = row["bytes"] / row["us"] / 1e3
             row["share"] = row["bytes"] / (row["us"] * 1e-6) / copy
             row["plain_gbs"] = row["bytes"] / row["plain_us"] / 1e3
             rows.append(row)
-            print(f"{name:8s} {n:6d}x{k:5d} plan {label(plan)}"
+            print(f"{name:8s} {n:6d}x{k:5d} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}{' split' if plan.split_tiles else ''}"
                   f" grid {row['grid']:4d}{' *' if row['default'] else '  '}  PDL {row['us']:7.2f} us "
                   f"{row['gbs']:6.0f} GB/s {100 * row['share']:5.1f}%   plain {row['plain_us']:7.2f} us "
                   f"{row['plain_gbs']:6.0f} GB/s", flush=True)

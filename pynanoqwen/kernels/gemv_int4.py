@@ -46,7 +46,7 @@ from ..config import GROUP_SIZE
 from ..device import sm_count
 from ..launch import launch
 from . import CompileTarget, on_device
-from .gemv_int4_kernel import MAX_DEPTH, MAX_PREFETCH, gemv_kernel
+from .gemv_int4_kernel import MAX_DEPTH, gemv_kernel
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
@@ -58,25 +58,19 @@ class GemvPlan:
     """How a GEMV splits its work (gemv_int4_kernel.py, work split): R rows per tile, `depth` items
     in flight per lane, `warps` per block, at most `blocks_per_sm` blocks per SM (also the launch
     bound that caps registers at 65536 / (32 warps blocks_per_sm)); with split_tiles, warps take
-    equal runs of items, tiles split between them, instead of whole tiles each. Before the wait for
-    the activations a lane requests the first min(prewait, depth) slots' loads (the rest right after
-    x is staged) and asks L2 for the `prefetch` items after its slots (gemv_int4_kernel.py, PDL)."""
+    equal runs of items, tiles split between them, instead of whole tiles each."""
 
     rows: int = 1
     depth: int = 4
     warps: int = 8
     blocks_per_sm: int = 2
     split_tiles: bool = False
-    prewait: int = MAX_DEPTH
-    prefetch: int = 0
 
     def check(self, n: int) -> None:
         if self.rows not in (1, 2, 4) or n % self.rows:
             raise ValueError(f"rows={self.rows} must be 1, 2 or 4 and divide N={n}")
         if not 1 <= self.depth <= MAX_DEPTH or not 1 <= self.warps <= 32 or self.blocks_per_sm < 1:
             raise ValueError(f"{self}: depth 1..{MAX_DEPTH}, warps 1..32, blocks_per_sm >= 1")
-        if not 0 <= self.prewait <= MAX_DEPTH or not 0 <= self.prefetch <= MAX_PREFETCH:
-            raise ValueError(f"{self}: prewait 0..{MAX_DEPTH}, prefetch 0..{MAX_PREFETCH}")
 
     def grid(self, n: int, sm_count: int) -> int:
         """Blocks of the persistent grid. Split plans: blocks_per_sm on every SM (fewer when there

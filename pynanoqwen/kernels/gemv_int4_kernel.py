@@ -69,14 +69,13 @@ from numba.core import types
 from ..config import GROUP_SIZE
 from ..ptx import SIMULATOR
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
-from ..ptx.loads import ld_global_nc_v4_u32, prefetch_global_l2
+from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.mma import SHARED_ALIGNMENT
 from ..ptx.warp import warp_sum
 from . import PAGE_SIZE
 from .gemv_int4_paths import CHUNKS_PER_GROUP, U, gemv_path
 
 MAX_DEPTH = 4  # pipeline slots a kernel can have (each one a named local array)
-MAX_PREFETCH = 8  # items a lane may ask L2 for before the wait (unrolled at compile time)
 
 # out = Wx; out = Wx + b; out += Wx; out = silu(Wg x) Wu x; and "rope": the QKV projection's
 # bias, RoPE and KV-cache write (module docstring), out = (q, k_pages, v_pages, page_table, pos,
@@ -96,7 +95,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     (heads = (num_heads, num_kv_heads, head_dim), rows = 2) the tuple of RopeOutputs.
     """
     rows, depth, warps = plan.rows, plan.depth, plan.warps
-    prewait, prefetch = min(plan.prewait, depth), plan.prefetch
     threads = 32 * warps
     shared_words, stage, load_x, multiply = gemv_path(path, k, rows, threads, norm_eps)
     chunks = U(k // 32)
@@ -175,22 +173,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                         b = 4 * (rows + r)
                         words[b], words[b + 1], words[b + 2], words[b + 3] = ld_global_nc_v4_u32(q1, at)
                         scl[rows + r] = s1[scale_at]
-
-    @cuda.jit(device=True, inline="always")
-    def prefetch_item(q0, s0, q1, s1, warp_id, lane, tile, step, valid):
-        """Ask L2 for the item (tile, step) of this lane, words and scales, as `load` would read it."""
-        if valid:
-            c = U(lane + U(U(32) * step))
-            if c < chunks:
-                for r in range(rows):
-                    row = row_of(tile_of(warp_id, tile), r)
-                    at = U(U(row * words_per_row) + U(U(4) * c))
-                    scale_at = U(U(row * groups) + U(c // U(CHUNKS_PER_GROUP)))
-                    prefetch_global_l2(q0, at)
-                    prefetch_global_l2(s0, scale_at)
-                    if matrices == 2:
-                        prefetch_global_l2(q1, at)
-                        prefetch_global_l2(s1, scale_at)
 
     @cuda.jit(device=True, inline="always")
     def read_early(warp_id, lane, first_cursor, touched, bias_values, out, early_values):
@@ -350,35 +332,20 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         tile2, step2 = advance(tile1, step1, 1)
         tile3, step3 = advance(tile2, step2, 1)
         # The weights do not depend on the kernel before this one: request them first, then wait
-        # for the activations (ptx/griddep.py). Slots from `prewait` on are requested once x is
-        # staged instead, and the `prefetch` items after the slots are only asked of L2.
-        if prewait >= 1:
-            load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(0) < items, words0, scl0)
-        if depth >= 2 and prewait >= 2:
+        # for the activations (ptx/griddep.py).
+        load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(0) < items, words0, scl0)
+        if depth >= 2:
             load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(1) < items, words1, scl1)
-        if depth >= 3 and prewait >= 3:
+        if depth >= 3:
             load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
-        if depth >= 4 and prewait >= 4:
+        if depth >= 4:
             load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
-        if prefetch:
-            ahead_tile, ahead_step = advance(tile0, step0, depth)
-            for j in range(prefetch):
-                prefetch_item(q0, s0, q1, s1, warp_id, lane, ahead_tile, ahead_step, U(depth + j) < items)
-                ahead_tile, ahead_step = advance(ahead_tile, ahead_step, 1)
         first_cursor = tile0
         p, page = U(0), U(0)
         if early:
             p, page = read_early(warp_id, lane, first_cursor, touched, bias_values, out, early_values)
         grid_dependency_wait()
         stage(activations, xs)
-        if prewait < 1:
-            load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(0) < items, words0, scl0)
-        if depth >= 2 and prewait < 2:
-            load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(1) < items, words1, scl1)
-        if depth >= 3 and prewait < 3:
-            load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
-        if depth >= 4 and prewait < 4:
-            load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
         for i in range(slot_scales):
             acc[i] = float32(0)
             deferred[i] = float32(0)

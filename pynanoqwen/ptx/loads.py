@@ -1,6 +1,5 @@
-"""16-byte global loads: `ld.global.nc.v4.u32` through the read-only (non-coherent) data path,
-`ld.global.cg.v4.f32` through L2 only (for what other blocks of the running kernel wrote), and
-`prefetch.global.L2`, which fetches a line into L2 without loading it.
+"""16-byte global loads: `ld.global.nc.v4.u32` through the read-only (non-coherent) data path, and
+`ld.global.cg.v4.f32` through L2 only (for what other blocks of the running kernel wrote).
 
 PTX ISA, Data Movement and Conversion Instructions: ld.global.nc. One instruction moves four
 consecutive 32-bit words; a warp of 32 lanes reading consecutive 16-byte chunks moves 512 bytes
@@ -103,26 +102,3 @@ def ld_global_cg_f32(typingctx, array, index):
     if not _is_vector(array, types.float32, index):
         return None
     return types.float32(array, index), _load("ld.global.cg.f32", "f", ir.FloatType(), 1, True)
-
-
-def prefetch_global_l2_simulated(array, index):
-    """The simulator has no cache: nothing to do."""
-
-
-@simulator_twin(prefetch_global_l2_simulated)
-@intrinsic
-def prefetch_global_l2(typingctx, array, index):
-    """Ask L2 to fetch the line that holds array[index] of a 1-D array, returning nothing to the
-    thread: `prefetch.global.L2 [address]` (PTX ISA, Data Movement: prefetch). A later load of the
-    line then waits an L2 round trip instead of a DRAM one, and the prefetch holds no register and
-    no slot in the thread's return path while it is in flight."""
-    if not (isinstance(array, types.Array) and array.ndim == 1 and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        address = _element_address(context, builder, sig, args)
-        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [address.type]), "prefetch.global.L2 [$0];",
-                                  "l,~{memory}", side_effect=True), [address])
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
