@@ -88,7 +88,7 @@ from ..ptx.loads import ld_global_cg_f32, ld_global_cg_v4_f32
 from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
-from ..ptx.tensor_copy import SWIZZLE_ALIGNMENT
+from ..ptx.tensor_copy import SWIZZLE_ALIGNMENT, prefetch_tensormap
 from ..ptx.warp import shfl_xor, syncwarp
 from ..ptx.wgmma import shared_byte_address
 from . import PAGE_SIZE, CompileTarget
@@ -219,6 +219,9 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         warp, lane = tid // 32, tid % 32
         gid, tq = lane // 4, lane % 4
 
+        if tid == PRODUCER_WARP * 32:  # the maps' descriptors on their way before the first copy needs them
+            prefetch_tensormap(kv_maps, 0)
+            prefetch_tensormap(kv_maps, 1)
         # The rings start at the first 1024-byte boundary of the dynamic shared memory (the swizzle's).
         ring = (SWIZZLE_ALIGNMENT - shared_byte_address(words, 0) % SWIZZLE_ALIGNMENT) % SWIZZLE_ALIGNMENT // 4
         if tid == 0:
@@ -289,10 +292,11 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 if valid < PAGE_SIZE:
                     # Past the context the cache holds anything, NaN included, and P V would form
                     # 0 * NaN: those V rows become zeros (this warp owns the stage until it releases it).
-                    # Whole lines of each box: the swizzle moves chunks only within a line.
-                    tail = (PAGE_SIZE - valid) * LINE_WORDS
-                    for w in range(lane, BOXES * tail, 32):
-                        words[V_RING + base + (w // tail) * BOX_WORDS + valid * LINE_WORDS + w % tail] = U(0)
+                    # Whole lines of each box: the swizzle moves chunks only within a line. (One
+                    # loop over both boxes, w // tail, cost 7 us a launch: Numba's 64-bit divisions.)
+                    for box in range(BOXES):
+                        for w in range(lane, (PAGE_SIZE - valid) * LINE_WORDS, 32):
+                            words[V_RING + base + box * BOX_WORDS + valid * LINE_WORDS + w] = U(0)
                     syncwarp()
                 # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
                 # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.

@@ -134,6 +134,33 @@ def tensor_copy_2d_to_shared_simulated(dst, maps, map_index, x, y, bars, index):
     threading.Timer(SIMULATED_COPY_DELAY, land).start()
 
 
+def _no_op(*args):
+    return None
+
+
+def _map_address(context, builder, maps_type, maps_v, map_index_type, map_index_v):
+    """The generic address of maps[map_index] (one 128-byte map a row)."""
+    row = context.cast(builder, map_index_v, map_index_type, types.int64)
+    first = builder.ptrtoint(_data_pointer(context, builder, maps_type, maps_v), ir.IntType(64))
+    return builder.add(first, builder.mul(row, ir.Constant(ir.IntType(64), 8 * MAP_WORDS)))
+
+
+@simulator_twin(_no_op)
+@intrinsic
+def prefetch_tensormap(typingctx, maps, map_index):
+    """`prefetch.tensormap [map];` bring maps[map_index] into the copy engine's descriptor cache
+    ahead of the first copy that uses it (PTX ISA: prefetch; sm_90)."""
+    if not (isinstance(maps, types.Array) and maps.ndim == 2 and isinstance(map_index, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        address = _map_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        inline_ptx(builder, "prefetch.tensormap [$0];", "l,~{memory}", [address])
+        return context.get_dummy_value()
+
+    return types.void(maps, map_index), codegen
+
+
 @simulator_twin(tensor_copy_2d_to_shared_simulated)
 @intrinsic
 def tensor_copy_2d_to_shared(typingctx, dst, maps, map_index, x, y, bars, index):
@@ -149,9 +176,7 @@ def tensor_copy_2d_to_shared(typingctx, dst, maps, map_index, x, y, bars, index)
         dst_type, maps_type, map_index_type, x_type, y_type, bars_type, index_type = sig.args
         dst_v, maps_v, map_index_v, x_v, y_v, bars_v, index_v = args
         dst_address = shared_address(context, builder, _data_pointer(context, builder, dst_type, dst_v))
-        row = context.cast(builder, map_index_v, map_index_type, types.int64)
-        first = builder.ptrtoint(_data_pointer(context, builder, maps_type, maps_v), ir.IntType(64))
-        map_address = builder.add(first, builder.mul(row, ir.Constant(ir.IntType(64), 8 * MAP_WORDS)))
+        map_address = _map_address(context, builder, maps_type, maps_v, map_index_type, map_index_v)
         x32 = context.cast(builder, x_v, x_type, types.int32)
         y32 = context.cast(builder, y_v, y_type, types.int32)
         bar_address = barrier_address(context, builder, bars_type, bars_v, index_type, index_v)
