@@ -183,8 +183,8 @@ EDITS = [
      + E8 + "if cluster_active:\n" + E12 + "cluster_arrive_relaxed()\n"
      + E8 + "if warp == PRODUCER_WARP:\n" + E12 + "for i in range(early):\n"),
     # the launcher: the cluster's region, and clusters of 1 x CLUSTER blocks
-    ("stages, consumers)[\"bytes\"]\n",
-     "stages, consumers)[\"bytes\"] \\\n"
+    ("                                          consumers)[\"bytes\"]\n",
+     "                                          consumers)[\"bytes\"] \\\n"
      "            + 4 * CLUSTER * (num_heads // num_kv_heads) * (head_dim + 2)\n"),
     ("self.arrivals), shared_bytes=self.shared_bytes)", "self.arrivals), shared_bytes=self.shared_bytes, cluster=CLUSTER_SHAPE)"),
 ]

@@ -13,6 +13,7 @@ from numba import cuda
 
 import attention_cluster_merge
 import attention_one_fence
+import attention_swizzled_ring
 import gemm_mma_sync_large
 import gemm_small_vs_wgmma
 import gemm_wgmma_split_k
@@ -24,9 +25,10 @@ from harness import print_table
 from test_kernels_compile import assemble_sm90
 
 VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_small_vs_wgmma, unfused_norm, attention_cluster_merge,
-            attention_one_fence, mlp_fused, gemv_bulk_ring, gemv_mma]
+            attention_one_fence, attention_swizzled_ring, mlp_fused, gemv_bulk_ring, gemv_mma]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
+           + attention_swizzled_ring.compile_targets()
            + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets())
 
 

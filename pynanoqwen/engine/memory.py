@@ -17,7 +17,6 @@ from ..config import ModelConfig
 from ..errors import NanoQwenError
 from ..kernels.attention_decode import default_num_splits
 from ..kernels.attention_prefill import split_records
-from ..ptx.tensor_copy import MAP_WORDS
 from ..kernels import PAGE_SIZE
 from ..kernels.sampling import Sampler
 from ..tensors import stored_tensors
@@ -61,8 +60,7 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
         "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
                                 if prefill_rows else 0),
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
-                       + 4 * cfg.num_kv_heads + split_attention
-                       + 2 * MAP_WORDS * 8 * cfg.num_layers),  # decode attention's K and V tensor maps
+                       + 4 * cfg.num_kv_heads + split_attention),
         "reserve": RESERVED_BYTES,
     }
 

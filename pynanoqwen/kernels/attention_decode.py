@@ -19,7 +19,9 @@ Why the tensor cores. The group's query heads are the rows of one 16-row mma til
 are zero), so one warp turns a 16-key page into the 16 x 16 scores S = Q K^T with
 `mma.sync.m16n8k16` (2 key n tiles x head_dim / 16 k steps) and adds P V for all heads at once
 (head_dim / 8 n tiles). Each K/V element is read from shared memory once per block, by
-`ldmatrix`, instead of once per query head. Precision is that of float32 arithmetic: q (float32, pre-scaled by
+`ldmatrix`, instead of once per query head: the SIMT kernel this replaces spent ~720 instructions
+per page per head (a 16-wide warp_sum per key) and ran issue-bound at 2-16% of bandwidth
+(docs/PERFORMANCE.md). Precision is that of float32 arithmetic: q (float32, pre-scaled by
 log2(e) / sqrt(head_dim), so exp2 gives the weights) and the weights P are each split into an FP16
 high part and an FP16 remainder, and both halves go through the mma, whose products are exact and
 whose sums are float32; the result is rounded once, to FP16, at the end.
@@ -27,20 +29,17 @@ whose sums are float32; the result is rounded once, to FP16, at the end.
 Inside a block (warp specialisation):
 - the producer warp (the last; its lane 0) streams the split's pages into a ring of STAGES pages:
   for page i it waits until stage i % STAGES is free (`empty` mbarrier), announces the page's
-  bytes on the stage's `full` mbarrier and asks the copy engine for the K and V tiles of (page, g)
-  as boxes of 16 key rows x 64 dims (`cp.async.bulk.tensor`, ptx/tensor_copy.py; two a tile at
-  head_dim 128), through one tensor map per pool that the launcher makes once. The boxes land
-  128-byte swizzled (a row's 16-byte chunk c of dims at chunk c ^ (row % 8)), so the 8 row
-  addresses of an `ldmatrix` matrix, 8 keys at the same dims, hit 8 different bank groups: 16
-  ldmatrix.x4 a page cost 64 shared-memory wavefronts instead of the 512 of an unswizzled tile,
-  whose rows are 256 bytes apart (kernels/kv_tiles.py; the other ways to that, beaten, are in
-  docs/PERFORMANCE.md).
+  bytes on the stage's `full` mbarrier and issues two `cp.async.bulk` copies, the K tile and the V
+  tile of (page, g), 4 KiB each. Whole tiles, not rows: a version that copied 32 padded 256-byte
+  rows per page (to spare ldmatrix its bank conflicts) ran at ~1.8 us a page, bound by the copy
+  engine's per-request cost (docs/PERFORMANCE.md). The price is an 8-way bank conflict in each
+  ldmatrix (the 8 rows of a matrix are 256 bytes apart): ~512 shared-memory cycles a page.
 - consumer warp w takes pages w, w + CONSUMERS, ... (STAGES is a multiple of CONSUMERS, so each
   stage serves one consumer, four pages ahead at the defaults): waits for the page's `full` phase,
   zeroes the V rows past the context (the cache holds anything there, NaN included, and P V would
-  form 0 * NaN), computes S, masks keys past the context, updates its own online softmax (running
-  max and sum of each head, float32), adds P V into its float32 accumulators, and its 32 lanes
-  arrive on the stage's `empty` barrier once their ldmatrix reads are done.
+  form 0 * NaN), computes S, masks keys past the context, updates its own online softmax (running max and sum of each head,
+  float32), adds P V into its float32 accumulators, and its 32 lanes arrive on the stage's `empty`
+  barrier once their ldmatrix reads are done.
 - then the consumers' (max, sum, acc) meet in shared memory and the block writes one partial per
   head for its split.
 Merge across splits. Each block increments a per-KV-head counter; the block that arrives last
@@ -53,22 +52,24 @@ the barriers, pos, the page table and the copies of the split's first ring of pa
 grid_dependency_wait (all older than the QKV GEMV before this kernel, docs/DECODE.md); q and the
 page holding pos, whose row the QKV GEMV writes, wait.
 
-Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (128 KiB at 16 stages, head_dim 128), from
-the first 1024-byte boundary (the swizzle is computed from the address), then the consumers'
-partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B): ~144 KiB with the slack.
+Shared memory (dynamic): the ring, 2 x STAGES x 4 KiB (128 KiB at 16 stages, head_dim 128), the
+consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B): ~143 KiB.
 
-Cost model (predicted; dev/attention_splits.py and bench measure, docs/PERFORMANCE.md has the
-figures). DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per
-layer at ctx 512, 8 MiB at 4096, 64 MiB at 32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us, about
-500 cycles a page for one SM's share of the bandwidth. Per page a consumer issues 16 ldmatrix.x4
-(64 wavefronts), 64 mma (hi and lo halves), ~60 softmax instructions and 32 FMULs of rescaling, a
-few hundred cycles on its own scheduler, so four consumers keep up with the bandwidth and long
-contexts are bound by it; with unswizzled tiles the four consumers' 2048 wavefronts a round of
-pages held the SM's shared memory busy ~80% of the measured ~1.3 us a page, which bounded them
-instead. Short contexts are latency: the pages' DRAM round trip, the partial's stores, fence and
-atomic, and one round of merge loads, a chain of several microseconds (measured in
-docs/PERFORMANCE.md, with the dev variants that attacked it: dev/attention_cluster_merge.py,
-dev/attention_one_fence.py).
+Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
+DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
+512, 8 MiB at 4096, 64 MiB at 32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us. Per page a consumer
+issues 16 ldmatrix.x4, 64 mma (hi and lo halves), ~60 softmax instructions and 32 FMULs of
+rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
+of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
+trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
+Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch 7.1 us at 16
+tokens (7.9 at 512), of which the cross-block merge is still the largest part: from the consumers'
+partials meeting to attn written, 4.1 us, 2.0 of them the stores and fence of the split's partial
+(the two-pass merge before this one took 8.6 us a launch at 16 tokens). The
+dev variants bound both: conflict-free pages (dev/attention_swizzled_ring.py) gain 0.5 us at 512
+tokens and 1.1 us at 4096 but lose 12 us at 32000 (per-thread copies keep fewer pages in flight);
+merging in a cluster (dev/attention_cluster_merge.py) saves 2 us at 16 tokens and costs more from
+512 on.
 """
 
 from __future__ import annotations
@@ -82,17 +83,15 @@ from numba import cuda, types
 from ..device import sm_count
 from ..errors import ConfigError
 from ..launch import launch
+from ..ptx.bulk_copy import bulk_copy_to_shared
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..ptx.half2 import float2_to_half2, half2_to_float2
 from ..ptx.loads import ld_global_cg_f32, ld_global_cg_v4_f32
 from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
-from ..ptx.tensor_copy import SWIZZLE_ALIGNMENT, prefetch_tensormap
 from ..ptx.warp import shfl_xor, syncwarp
-from ..ptx.wgmma import shared_byte_address
 from . import PAGE_SIZE, CompileTarget
-from .kv_tiles import KvTensorMaps, TileLayout, box_elems
 
 CONSUMERS = 4  # consumer warps per block
 # Pages in the ring: four per consumer. Against two: 36.0 against 38.0 us a launch at 32000 tokens,
@@ -118,7 +117,8 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
     """Build the decode-attention kernel for one model's attention shape (dims become constants)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
-    box_elems(head_dim)  # the copies' boxes fit it
+    if head_dim % 32:
+        raise ConfigError(f"decode attention needs head_dim a multiple of 32, got {head_dim}")
     if num_heads // num_kv_heads > MAX_GROUP:
         raise ConfigError(f"{num_heads // num_kv_heads} query heads per KV head: at most {MAX_GROUP} fit "
                           "the decode attention's mma tile")
@@ -137,14 +137,13 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
 
 
 def shared_layout(group: int, head_dim: int, stages: int, consumers: int) -> dict[str, int]:
-    """Word offsets of the dynamic shared memory's parts from its first 1024-byte boundary (the
-    swizzled boxes need it), and its size in bytes ("bytes"), with the slack to find that boundary."""
+    """Word offsets of the dynamic shared memory's parts, and its size in bytes ("bytes")."""
     page_words = PAGE_SIZE * head_dim // 2
     ring = stages * page_words
     layout = {"k_ring": 0, "v_ring": ring, "partial_acc": 2 * ring}
     layout["partial_max"] = layout["partial_acc"] + consumers * group * head_dim
     layout["partial_sum"] = layout["partial_max"] + consumers * group
-    layout["bytes"] = 4 * (layout["partial_sum"] + consumers * group) + SWIZZLE_ALIGNMENT
+    layout["bytes"] = 4 * (layout["partial_sum"] + consumers * group)
     return layout
 
 
@@ -154,14 +153,8 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
     WARPS = consumers + 1
     PRODUCER_WARP = consumers
     THREADS = 32 * WARPS
-    ROW_WORDS = head_dim // 2
+    ROW_WORDS = SMEM_ROW_WORDS = head_dim // 2
     PAGE_WORDS = PAGE_SIZE * ROW_WORDS
-    tiles = TileLayout(head_dim)  # pages land as swizzled boxes (kernels/kv_tiles.py)
-    copy_tile, tile_word = tiles.copy, tiles.word
-    BOXES, LINE_WORDS, BOX_WORDS = tiles.boxes, tiles.line_words, tiles.box_words
-    # An ldmatrix lane's chunks within a line: S's lanes take chunk 4 kk2 + lane // 8, P V's 2 jp +
-    # lane // 16, so each lane meets K_PARTS (V_PARTS) chunk positions of a line, repeated a box on.
-    K_PARTS, V_PARTS = max(1, tiles.line_chunks // 4), tiles.line_chunks // 2
     PAGE_BYTES = 4 * PAGE_WORDS  # one (page, kv head) K or V tile: 4 KiB at head_dim 128
     DIM_STEPS = head_dim // 16  # k steps of Q K^T
     DIM_NTILES = head_dim // 8  # n tiles of O
@@ -183,7 +176,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         return hi, float2_to_half2(x0 - h0, x1 - h1)
 
     @cuda.jit(device=True, inline="always")
-    def fill_stage(words, ring, full, empty, pages_ahead, kv_maps, page_table, kv_head, first_page, num_pages, i,
+    def fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page, num_pages, i,
                    lane):
         """The producer warp's page i of its split: copy its K and V tiles into stage i % stages."""
         if i % 32 == 0:
@@ -200,12 +193,14 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
             mbarrier_wait(empty, stage, ((i // stages) & 1) ^ 1)
             page = pages_ahead[i % 32]
             mbarrier_arrive_expect_tx(full, stage, 2 * PAGE_BYTES)
-            row = (page * num_kv_heads + kv_head) * PAGE_SIZE  # the tile's first row in the pool
-            copy_tile(words, ring + K_RING + stage * PAGE_WORDS, kv_maps, 0, row, full, stage)
-            copy_tile(words, ring + V_RING + stage * PAGE_WORDS, kv_maps, 1, row, full, stage)
+            at = stage * PAGE_WORDS
+            bulk_copy_to_shared(words[K_RING + at:K_RING + at + PAGE_WORDS], k_pages[page, kv_head], PAGE_BYTES,
+                                full, stage)
+            bulk_copy_to_shared(words[V_RING + at:V_RING + at + PAGE_WORDS], v_pages[page, kv_head], PAGE_BYTES,
+                                full, stage)
 
     @cuda.jit
-    def decode_attention(q, kv_maps, page_table, pos, out, part_max, part_sum, part_acc, arrivals):
+    def decode_attention(q, k_pages, v_pages, page_table, pos, out, part_max, part_sum, part_acc, arrivals):
         full = cuda.shared.array(stages, types.uint64)  # stage holds its page's K and V
         empty = cuda.shared.array(stages, types.uint64)  # its consumer is done with the stage
         last_block = cuda.shared.array(1, types.int32)
@@ -219,11 +214,6 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         warp, lane = tid // 32, tid % 32
         gid, tq = lane // 4, lane % 4
 
-        if tid == PRODUCER_WARP * 32:  # the maps' descriptors on their way before the first copy needs them
-            prefetch_tensormap(kv_maps, 0)
-            prefetch_tensormap(kv_maps, 1)
-        # The rings start at the first 1024-byte boundary of the dynamic shared memory (the swizzle's).
-        ring = (SWIZZLE_ALIGNMENT - shared_byte_address(words, 0) % SWIZZLE_ALIGNMENT) % SWIZZLE_ALIGNMENT // 4
         if tid == 0:
             for stage in range(stages):
                 mbarrier_init(full, stage, 1)  # the producer's arrive.expect_tx; the copies add bytes
@@ -247,13 +237,13 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
 
         if warp == PRODUCER_WARP:
             for i in range(early):
-                fill_stage(words, ring, full, empty, pages_ahead, kv_maps, page_table, kv_head, first_page,
+                fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page,
                            num_pages, i, lane)
         grid_dependency_wait()  # q and the K/V row of pos come from the kernel before (launch.py)
 
         if warp == PRODUCER_WARP:
             for i in range(early, num_pages):
-                fill_stage(words, ring, full, empty, pages_ahead, kv_maps, page_table, kv_head, first_page,
+                fill_stage(words, full, empty, pages_ahead, k_pages, v_pages, page_table, kv_head, first_page,
                            num_pages, i, lane)
         else:
             # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
@@ -270,14 +260,6 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                         x1 = q[head, dim + 1] * Q_SCALE
                     q_hi[2 * kk + side], q_lo[2 * kk + side] = split_hi_lo(x0, x1)
             acc = cuda.local.array(O_FLOATS, types.float32)  # O row gid: dims 8 j + 2 tq, +1
-            # The lane's ldmatrix row addresses in a stage, less what is a constant of the unrolled
-            # loops: 8 rows on is 8 lines on (the swizzle repeats every 8 lines), a box on is BOX_WORDS.
-            k_lane = cuda.local.array(K_PARTS, types.uint32)
-            for part in range(K_PARTS):
-                k_lane[part] = tile_word(lane % 8, 4 * part + lane // 8)
-            v_lane = cuda.local.array(V_PARTS, types.uint32)
-            for part in range(V_PARTS):
-                v_lane[part] = tile_word(8 * ((lane // 8) % 2) + lane % 8, 2 * part + lane // 16)
             for d in range(O_FLOATS):
                 acc[d] = ZERO
             s = cuda.local.array(4, types.float32)  # S row gid: keys 8 j + 2 tq, +1 of n tile j
@@ -287,16 +269,13 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
             while i < num_pages:
                 stage = i % stages
                 mbarrier_wait(full, stage, (i // stages) & 1)
-                base = ring + stage * PAGE_WORDS
+                base = stage * PAGE_WORDS
                 valid = context - (first_page + i) * PAGE_SIZE  # keys of this page inside the context
                 if valid < PAGE_SIZE:
                     # Past the context the cache holds anything, NaN included, and P V would form
                     # 0 * NaN: those V rows become zeros (this warp owns the stage until it releases it).
-                    # Whole lines of each box: the swizzle moves chunks only within a line. (One
-                    # loop over both boxes, w // tail, cost 7 us a launch: Numba's 64-bit divisions.)
-                    for box in range(BOXES):
-                        for w in range(lane, (PAGE_SIZE - valid) * LINE_WORDS, 32):
-                            words[V_RING + base + box * BOX_WORDS + valid * LINE_WORDS + w] = U(0)
+                    for w in range(lane, (PAGE_SIZE - valid) * ROW_WORDS, 32):
+                        words[V_RING + base + valid * ROW_WORDS + w] = U(0)
                     syncwarp()
                 # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
                 # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
@@ -305,8 +284,8 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                     # latency), summed at the end.
                     c0, c1, d0, d1 = ZERO, ZERO, ZERO, ZERO
                     for kk2 in range(DIM_STEPS // 2):
-                        b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + k_lane[kk2 % K_PARTS]
-                                                     + (kk2 // K_PARTS) * BOX_WORDS + 8 * j * LINE_WORDS)
+                        b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
+                                                     + 16 * kk2 + 4 * (lane // 8))
                         a = 4 * kk2
                         c0, c1, _, _ = mma_m16n8k16(q_hi[a], NONE, q_hi[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
                         d0, d1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, d0, d1, ZERO, ZERO)
@@ -339,8 +318,8 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 p0_hi, p0_lo = split_hi_lo(s[0], s[1])
                 p1_hi, p1_lo = split_hi_lo(s[2], s[3])
                 for jp in range(DIM_NTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(words, V_RING + base + v_lane[jp % V_PARTS]
-                                                       + (jp // V_PARTS) * BOX_WORDS)
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(words, V_RING + base + (8 * ((lane // 8) % 2) + lane % 8)
+                                                       * SMEM_ROW_WORDS + 8 * jp + 4 * (lane // 16))
                     o = 4 * jp
                     acc[o], acc[o + 1], _, _ = mma_m16n8k16(p0_hi, NONE, p1_hi, NONE, b0, b1, acc[o], acc[o + 1],
                                                             ZERO, ZERO)
@@ -359,10 +338,10 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 slot = warp * GROUP + gid
                 for j in range(DIM_NTILES):
                     for e in range(2):
-                        floats[ring + P_ACC + slot * head_dim + 8 * j + 2 * tq + e] = acc[2 * j + e]
+                        floats[P_ACC + slot * head_dim + 8 * j + 2 * tq + e] = acc[2 * j + e]
                 if tq == 0:
-                    floats[ring + P_MAX + slot] = running_max
-                    floats[ring + P_SUM + slot] = running_sum
+                    floats[P_MAX + slot] = running_max
+                    floats[P_SUM + slot] = running_sum
         launch_dependents()
         cuda.syncthreads()
 
@@ -373,12 +352,12 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 row, dim = o // head_dim, o % head_dim
                 merged_max = NEG_INF
                 for w in range(consumers):
-                    merged_max = max(merged_max, floats[ring + P_MAX + w * GROUP + row])
+                    merged_max = max(merged_max, floats[P_MAX + w * GROUP + row])
                 value, total = ZERO, ZERO
                 for w in range(consumers):
-                    weight = math.exp2(floats[ring + P_MAX + w * GROUP + row] - merged_max)
-                    value += floats[ring + P_ACC + (w * GROUP + row) * head_dim + dim] * weight
-                    total += floats[ring + P_SUM + w * GROUP + row] * weight
+                    weight = math.exp2(floats[P_MAX + w * GROUP + row] - merged_max)
+                    value += floats[P_ACC + (w * GROUP + row) * head_dim + dim] * weight
+                    total += floats[P_SUM + w * GROUP + row] * weight
                 slot = (kv_head * GROUP + row) * num_splits + split
                 part_acc[slot * head_dim + dim] = value
                 if dim == 0:
@@ -457,12 +436,12 @@ class DecodeAttention:
                                     min_pages_per_split)
         self.grid = (num_kv_heads, num_splits)
         self.block = 32 * (consumers + 1)
-        self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, stages, consumers)["bytes"]
+        self.shared_bytes = shared_layout(num_heads // num_kv_heads, head_dim, stages,
+                                          consumers)["bytes"]
         self.part_max = cuda.device_array(num_heads * num_splits, np.float32)
         self.part_sum = cuda.device_array(num_heads * num_splits, np.float32)
         self.part_acc = cuda.device_array(num_heads * num_splits * head_dim, np.float32)
         self.arrivals = cuda.to_device(np.zeros(num_kv_heads, np.int32))  # the kernel resets it
-        self.tensor_maps = KvTensorMaps()
 
     def launch(self, stream, q, k_pages, v_pages, page_table, pos, out) -> None:
         """attn `out` of the token at position pos[0]; every array on the device; no allocation.
@@ -477,18 +456,18 @@ class DecodeAttention:
         for name, (shape, wanted) in expected.items():
             if tuple(shape) != wanted:
                 raise ValueError(f"decode attention: {name} has shape {tuple(shape)}, expected {wanted}")
-        maps = self.tensor_maps.of(k_pages, v_pages)
         launch(self.kernel, self.grid, self.block, stream,
-               (q, maps, page_table, pos, out, self.part_max, self.part_sum, self.part_acc,
+               (q, k_pages, v_pages, page_table, pos, out, self.part_max, self.part_sum, self.part_acc,
                 self.arrivals), shared_bytes=self.shared_bytes)
 
 
 def compile_targets() -> list[CompileTarget]:
     """The 7B shape (28 q heads over 4 KV heads, head_dim 128, 33 splits) and the simulator test's."""
+    pages = types.float16[:, :, :, ::1]
     flat = types.float32[::1]
-    signature = types.void(types.float32[:, ::1], types.uint64[:, ::1], types.int32[::1], types.int32[::1],
+    signature = types.void(types.float32[:, ::1], pages, pages, types.int32[::1], types.int32[::1],
                            types.float16[::1], flat, flat, flat, types.int32[::1])
-    must_contain = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+    must_contain = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                     "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                     "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ld.global.cg.v4.f32", "ex2.approx.f32",

@@ -59,6 +59,14 @@ def test_decode_attention_matches_softmax_reference(num_splits, stages, consumer
 
 
 @pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
+def test_swizzled_ring_variant_matches_softmax_reference(num_splits, stages, consumers):
+    """dev/attention_swizzled_ring.py: the product's kernel with cp.async copies into a swizzled ring."""
+    from attention_swizzled_ring import load_variant
+
+    matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
+
+
+@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
 def test_cluster_merge_variant_with_one_block_clusters(num_splits, stages, consumers):
     """dev/attention_cluster_merge.py in clusters of one block (the simulator runs blocks one at a
     time): the leader's merge and, with several splits holding pages, the leaders' global merge."""
