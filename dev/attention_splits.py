@@ -2,7 +2,7 @@
 split settings, on the GPU: 28 launches (one per layer, each over its own KV pages, so the K/V
 stream comes from HBM as in a decode step) in one CUDA graph, replayed.
 
-    python dev/attention_splits.py [--contexts 512,4096,16384,32000] [--json out.json]
+    python dev/attention_splits.py [--contexts 512,545,4096,4097,16384,32000] [--json out.json]
 
 Prints us per launch, the K/V bytes one launch must read (2 x context x kv_heads x head_dim x 2 B)
 and that as GB/s and as a share of a device-to-device copy measured first.
@@ -40,7 +40,8 @@ VARIANTS = [dict(), dict(min_pages_per_split=2), dict(min_pages_per_split=8), di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default="512,4096,16384,32000")
+    # 545 and 4097: a partial last page, as in 15 decode steps of 16 (docs/PERFORMANCE.md, lessons)
+    parser.add_argument("--contexts", default="512,545,4096,4097,16384,32000")
     parser.add_argument("--json")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
