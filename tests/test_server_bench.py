@@ -24,3 +24,25 @@ def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
     assert infill["prompt_tokens"] >= 140 and 0 < infill["computed_tokens"] < infill["prompt_tokens"] - 100
     assert result["cancellation"]["cancelled"] == 2 and result["cancellation"]["server_ms"] > 0
     assert "| /infill TTFT" in capsys.readouterr().out
+
+
+def test_the_server_overhead_bench_runs_with_a_backend_that_costs_nothing(capsys):
+    spec = importlib.util.spec_from_file_location("server_overhead", SCRIPT.parent / "server_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--requests", "5"])
+    assert all(result[name] > 0 for name in ("health_ms", "first_event_ms", "first_event_16_ms", "event_gap_ms"))
+    assert "| /infill, first event (n_predict 1) |" in capsys.readouterr().out
+
+
+def test_serve_parses_http_in_c_on_libuv():
+    """httptools and uvloop are dependencies because uvicorn takes them when present: the server's
+    first event comes ~0.3 ms sooner with them (bench/server_overhead.py, docs/PERFORMANCE.md)."""
+    import uvloop  # noqa: F401 (installed with the package on Linux)
+
+    from pynanoqwen.server.run import uvicorn_server
+
+    config = uvicorn_server(lambda scope, receive, send: None).config
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    assert config.get_loop_factory().__module__ == "uvloop"
