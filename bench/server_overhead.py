@@ -3,9 +3,10 @@
     python bench/server_overhead.py [--requests 150]
 
 The app `serve` runs, on a real uvicorn server in this process (server.run.ServerThread), over a
-backend that yields its tokens at once: every millisecond the client waits for the first event of
-a streamed /infill (return_tokens, so each id is an event) is the HTTP stack's, the route's
-(parsing, the prompt, tokenizing it), the hand-offs to the engine thread and back, and httpx's.
+backend that yields its tokens at once (letting other threads run after each): every millisecond
+the client waits for the first event of a streamed /infill (return_tokens, so each id is an
+event) is the HTTP stack's, the route's (parsing, the prompt, tokenizing it), the hand-offs to
+the engine thread and back, and httpx's.
 Prints the medians: GET /health's round trip, the first event at n_predict 1 and 16, and the gap
 between events. bench/server_latency.py measures the same overhead against a real engine.
 """
@@ -49,7 +50,6 @@ def first_events(client: httpx.Client, n_predict: int, requests: int) -> tuple[l
         body = {"input_prefix": f"# request {i}\ndef add(a, b):\n", "input_suffix": "", "n_predict": n_predict,
                 "stream": True, "return_tokens": True, "cache_prompt": False}
         start = time.perf_counter()
-        stamps = []
         with client.stream("POST", "/infill", json=body) as response:
             stamps = [time.perf_counter() for line in response.iter_lines() if line.startswith("data:")]
         if i >= WARM_UP:
@@ -60,8 +60,10 @@ def first_events(client: httpx.Client, n_predict: int, requests: int) -> tuple[l
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=150)
+    parser.add_argument("--requests", type=int, default=150, help="timed requests of each kind (at least 1)")
     args = parser.parse_args(argv)
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
     _, model = load_model(Path(EMBEDDED_MODEL), "cpu", 2048, self_check=False, on_status=lambda line: None)
     backend = InstantBackend(model.max_context)
     info = ModelInfo("instant", model.tokenizer, model.max_context, model.vocab_size)
@@ -78,9 +80,9 @@ def main(argv=None) -> dict:
     result = {"health_ms": statistics.median(health), "first_event_ms": statistics.median(first_1),
               "first_event_16_ms": statistics.median(first_16), "event_gap_ms": statistics.median(gaps)}
     print("| what the server adds (medians, ms) | |\n| --- | ---: |")
-    for name, label in (("health_ms", "GET /health round trip"), ("first_event_ms", "/infill, first event (n_predict 1)"),
-                        ("first_event_16_ms", "/infill, first event (n_predict 16)"),
-                        ("event_gap_ms", "/infill, between events")):
+    labels = {"health_ms": "GET /health round trip", "first_event_ms": "/infill, first event (n_predict 1)",
+              "first_event_16_ms": "/infill, first event (n_predict 16)", "event_gap_ms": "/infill, between events"}
+    for name, label in labels.items():
         print(f"| {label} | {result[name]:.3f} |")
     return result
 

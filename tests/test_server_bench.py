@@ -1,5 +1,5 @@
 """bench/server_latency.py runs end to end on the CPU with the embedded model and writes its JSON
-(the GPU figures come from the same script on the GPU machine)."""
+(the GPU figures come from the same script on the GPU machine); bench/server_overhead.py runs too."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "server_latency.py"
 
 
+def load(script: Path):
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("server_latency", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load(SCRIPT)
     out = tmp_path / "server.json"
     bench.main(["--device", "cpu", "--prompt-tokens", "32", "--gen-tokens", "6", "--context-tokens", "150",
                 "--repeats", "2", "--json", str(out)])
@@ -27,10 +32,7 @@ def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
 
 
 def test_the_server_overhead_bench_runs_with_a_backend_that_costs_nothing(capsys):
-    spec = importlib.util.spec_from_file_location("server_overhead", SCRIPT.parent / "server_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    result = bench.main(["--requests", "5"])
+    result = load(SCRIPT.parent / "server_overhead.py").main(["--requests", "5"])
     assert all(result[name] > 0 for name in ("health_ms", "first_event_ms", "first_event_16_ms", "event_gap_ms"))
     assert "| /infill, first event (n_predict 1) |" in capsys.readouterr().out
 
