@@ -54,7 +54,7 @@ def first_events(client: httpx.Client, n_predict: int, requests: int) -> tuple[l
             stamps = [time.perf_counter() for line in response.iter_lines() if line.startswith("data:")]
         if i >= WARM_UP:
             first.append(1e3 * (stamps[0] - start))
-            gaps += [1e3 * (b - a) for a, b in zip(stamps, stamps[1:n_predict])]
+            gaps += [1e3 * (b - a) for a, b in zip(stamps, stamps[1:n_predict])]  # the tokens' events only
     return first, gaps
 
 
