@@ -19,17 +19,19 @@ import gemm_small_vs_wgmma
 import gemm_wgmma_split_k
 import gemv_bulk_ring
 import gemv_mma
+import megakernel_gemv_chain
 import mlp_fused
 import unfused_norm
 from harness import print_table
 from test_kernels_compile import assemble_sm90
 
 VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_small_vs_wgmma, unfused_norm, attention_cluster_merge,
-            attention_one_fence, attention_swizzled_ring, mlp_fused, gemv_bulk_ring, gemv_mma]
+            attention_one_fence, attention_swizzled_ring, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
            + attention_swizzled_ring.compile_targets()
-           + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets())
+           + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets()
+           + megakernel_gemv_chain.compile_targets())
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
@@ -40,6 +42,23 @@ def test_variant_compiles_for_sm90_without_spills(target):
     assert ".local" not in ptx
     report = assemble_sm90(ptx, "sm_" + "".join(map(str, target.cc)))
     assert [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)] == [0], report
+
+
+def test_megakernel_stream_holds_each_blocks_rows_as_the_kernel_reads_them():
+    """dev/megakernel_gemv_chain.py's weight stream, walked with the producer's offsets and the
+    consumers' indices (read_stream), gives back every matrix row of the first, a middle and the
+    last block, of both weight sets, exactly."""
+    from pynanoqwen.quant import dequantize_int4
+
+    rng = np.random.default_rng(7)
+    weights = megakernel_gemv_chain.make_weights(rng)
+    stream, bases = megakernel_gemv_chain.pack(weights, 132)
+    for set_index, block in ((0, 0), (1, 57), (1, 131)):
+        found = megakernel_gemv_chain.read_stream(stream, bases, 132, set_index, block)
+        for op in megakernel_gemv_chain.OPS:
+            rows = slice(block * op.n // 132, (block + 1) * op.n // 132)
+            for (qweight, scales), got in zip(weights[set_index][op.name], found[op.name]):
+                assert np.array_equal(dequantize_int4(qweight[rows], scales[rows], np.float64), got), (op.name, block)
 
 
 @pytest.mark.gpu
