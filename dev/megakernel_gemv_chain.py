@@ -42,7 +42,7 @@ times a chunk over its ceil(K / 1024) chunks of a row (4, or 19 for down_proj), 
 steps; the FP16 store one u16.
 
 Why it loses (docs/PERFORMANCE.md): the consumers issue ~99 PTX instructions a 16-byte chunk of a
-row and reach ~2.1 instructions a cycle a SM (Nsight Compute), below the ~2.9 the copy rate asks
+row and reach ~2.1 instructions a cycle a SM (Nsight Compute), below the ~3.2 the copy rate asks
 for; with its waits and arithmetic taken out, the stream alone ran at 83-84% of the copy rate.
 
     python dev/megakernel_gemv_chain.py      # float64 checks, then us a step against the product
