@@ -63,7 +63,7 @@ from numba.cuda.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pynanoqwen.config import GROUP_SIZE  # noqa: E402
+from pynanoqwen.config import GROUP_SIZE, PRESETS  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import CHUNK_STRIDE, U, dot8_prmt  # noqa: E402
 from pynanoqwen.ptx.bulk_copy import bulk_copy_to_shared  # noqa: E402
 from pynanoqwen.ptx.half2 import half2_to_float2  # noqa: E402
@@ -73,7 +73,8 @@ from pynanoqwen.ptx.mbarrier import (fence_barrier_init, inline_ptx, mbarrier_ar
 from pynanoqwen.ptx.mma import ld_shared_v4_u32  # noqa: E402
 from pynanoqwen.ptx.warp import warp_sum  # noqa: E402
 
-HIDDEN, QKV, INTER = 3584, 4608, 18944  # Qwen2.5-7B
+SEVEN_B = PRESETS["7b"]
+HIDDEN, QKV, INTER = SEVEN_B.hidden_size, SEVEN_B.q_size + 2 * SEVEN_B.kv_size, SEVEN_B.intermediate_size
 # rows_per_warp: rows (gate_up: row pairs) each consumer warp owns in a row group, so a row group
 # is CONSUMERS x rows_per_warp rows; slice: inputs of a row in one stage (a multiple of 1024: 32
 # chunks of 16 bytes, one a lane); x_at, out_at: where the op's input and output start in a
