@@ -8,7 +8,8 @@ import pytest
 from numba import cuda, uint32
 
 from pynanoqwen import quant
-from pynanoqwen.ptx.dp4a import dp4a, dp4a_simulated
+from pynanoqwen.ptx.bits import bits_float, bits_float_simulated, float_bits, float_bits_simulated
+from pynanoqwen.ptx.dp4a import dp4a, dp4a_simulated, dp4a_us, dp4a_us_simulated, dp4a_uu, dp4a_uu_simulated
 from pynanoqwen.ptx.half2 import fma_f16x2, fma_f16x2_simulated, half2_to_float2, half2_to_float2_simulated
 from pynanoqwen.ptx.loads import ld_global_nc_v4_u32, ld_global_nc_v4_u32_simulated
 from pynanoqwen.ptx.prmt import prmt, prmt_simulated
@@ -31,6 +32,16 @@ def use_dp4a(a, out):
     out[i] = dp4a(a[i], a[i + 1], 5)
 
 
+def use_dp4a_unsigned(a, out):
+    i = cuda.grid(1)
+    out[i] = dp4a_us(a[i], a[i + 1], dp4a_uu(a[i + 2], a[i + 3], 5))
+
+
+def use_bits(a, out):
+    i = cuda.grid(1)
+    out[i] = bits_float(float_bits(a[i]) ^ uint32(1))
+
+
 def use_half2(a, out):
     i = cuda.grid(1)
     lo, hi = half2_to_float2(fma_f16x2(a[i], a[i + 1], a[i + 2]))
@@ -49,6 +60,8 @@ U32, F32 = "uint32[::1]", "float32[::1]"
     (use_prmt, f"void({U32}, {U32})", ["prmt.b32"]),
     (use_load, f"void({U32}, {U32})", ["ld.global.nc.v4.u32"]),
     (use_dp4a, f"void({U32}, int32[::1])", ["dp4a.s32.s32"]),
+    (use_dp4a_unsigned, f"void({U32}, int32[::1])", ["dp4a.u32.s32", "dp4a.u32.u32"]),
+    (use_bits, f"void({F32}, {F32})", ["mov.b32"] * 2),
     (use_half2, f"void({U32}, {F32})", ["fma.rn.f16x2", "cvt.f32.f16"]),
     (use_warp, f"void({F32}, {F32})", ["shfl.sync.bfly.b32"] * 11),
 ])
@@ -100,6 +113,28 @@ def test_dp4a_twin_is_a_signed_byte_dot_product():
     expected = ((c + dots + 2**31) % 2**32 - 2**31).tolist()  # int32 wrap-around
     assert [dp4a_simulated(x, y, z) for x, y, z in zip(a, b, c)] == expected
     assert dp4a_simulated(0x0000_00FF, 0x0000_0002, 0) == -2  # 0xFF is -1 as a signed byte
+
+
+def test_dp4a_unsigned_twins_read_their_bytes_as_typed():
+    """dp4a.u32.u32 reads both operands' bytes unsigned, dp4a.u32.s32 the second one signed."""
+    rng = np.random.default_rng()
+    a, b = rng.integers(0, 2**32, size=(2, 500), dtype=np.uint32)
+    c = rng.integers(-2**31, 2**31, size=500, dtype=np.int64)
+    a_bytes = a.view(np.uint8).reshape(-1, 4).astype(np.int64)
+    for twin, b_bytes in ((dp4a_uu_simulated, b.view(np.uint8)), (dp4a_us_simulated, b.view(np.int8))):
+        dots = (a_bytes * b_bytes.reshape(-1, 4)).sum(axis=1)
+        expected = ((c + dots + 2**31) % 2**32 - 2**31).tolist()  # int32 wrap-around
+        assert [twin(x, y, z) for x, y, z in zip(a, b, c)] == expected
+    assert dp4a_uu_simulated(0x0000_00FF, 0x0000_00FF, 0) == 255 * 255
+    assert dp4a_us_simulated(0x0000_00FF, 0x0000_00FF, 0) == -255  # b's 0xFF is -1
+
+
+def test_bits_twins_reinterpret_float32():
+    rng = np.random.default_rng()
+    values = rng.standard_normal(100).astype(np.float32)
+    words = values.view(np.uint32)
+    assert [float_bits_simulated(v) for v in values] == words.tolist()
+    assert np.array_equal(np.array([bits_float_simulated(w) for w in words], np.float32), values)
 
 
 def _round_to_f16(exact: Fraction) -> np.float16:
