@@ -16,6 +16,7 @@ per shape: us per call, GB/s and the share of a device-to-device copy measured f
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -57,23 +58,23 @@ EPILOGUE_FORMS = {"qkv_rope": ("store", "norm+bias", "norm+rope"), "o_proj": ("s
                   "gate_up": ("norm+silu",), "down": ("store", "norm", "residual"), "lm_head": ("store", "residual", "norm")}
 
 
-def build(name, n, k, epilogue, plan, rng):
+def build(name, n, k, epilogue, plan, rng, path):
     matrices = 2 if name == "gate_up" else 1
     weights = [random_int4(rng, n, k) for _ in range(matrices)]
     norm = {"norm_weight": (1 + 0.1 * rng.standard_normal(k)).astype(np.float16), "norm_eps": 1e-6} \
         if epilogue.startswith("norm") else {}
     if matrices == 2:
-        return make_gate_up_silu(n, k, *weights[0], *weights[1], plan=plan, **norm)
+        return make_gate_up_silu(n, k, *weights[0], *weights[1], path=path, plan=plan, **norm)
     bias = rng.standard_normal(n).astype(np.float16) if "bias" in epilogue or "rope" in epilogue else None
     rope = {"rope_heads": HEADS} if "rope" in epilogue else {}
-    return make_gemv_int4(n, k, *weights[0], bias=bias, plan=plan, **norm, **rope)
+    return make_gemv_int4(n, k, *weights[0], path=path, bias=bias, plan=plan, **norm, **rope)
 
 
-def time_plan(name, n, k, epilogue, plan, rng, stream, hot: bool) -> dict:
+def time_plan(name, n, k, epilogue, plan, rng, stream, hot: bool, path: str) -> dict:
     matrices = 2 if name == "gate_up" else 1
     nbytes = matrices * gemv_bytes(n, k)
     copies = 1 if hot else weight_copies(nbytes)
-    gemvs = [build(name, n, k, epilogue, plan, rng) for _ in range(copies)]
+    gemvs = [build(name, n, k, epilogue, plan, rng, path) for _ in range(copies)]
     x = cuda.to_device(rng.standard_normal(k).astype(np.float32 if epilogue.startswith("norm") else np.float16))
     out = cuda.to_device(np.zeros(n, np.float16 if matrices == 2 else np.float32))
     residual = {"residual": True} if epilogue == "residual" else {}
@@ -95,7 +96,7 @@ def time_plan(name, n, k, epilogue, plan, rng, stream, hot: bool) -> dict:
     programmatic = time_graph(stream, enqueue) / calls
     with plain_launches():
         plain = time_graph(stream, enqueue) / calls
-    return {"shape": name, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm, plan.split_tiles],
+    return {"shape": name, "path": path, "n": n, "k": k, "plan": [plan.rows, plan.depth, plan.warps, plan.blocks_per_sm, plan.split_tiles],
             "grid": gemvs[0]._input.grid, "bytes": nbytes, "us": programmatic * 1e6, "plain_us": plain * 1e6,
             "default": plan == (ROPE_PLAN if "rope" in epilogue else default_plan(n, k, matrices))}
 
@@ -104,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    parser.add_argument("--paths", default="prmt", help="GEMV paths to time, comma-separated (prmt, fixed16, dp4a)")
     parser.add_argument("--hot", action="store_true", help="every call reads the same weights (from L2 if they fit)")
     parser.add_argument("--epilogues", action="store_true",
                         help="instead: each linear at its default plan in the forms of EPILOGUE_FORMS (what staging "
@@ -117,10 +119,10 @@ def main() -> None:
     if args.epilogues:
         for round_ in range(2):  # the second round shows the run-to-run spread
             for name, n, k, _ in SHAPES:
-                for epilogue in EPILOGUE_FORMS.get(name, ()):
+                for epilogue, path in itertools.product(EPILOGUE_FORMS.get(name, ()), args.paths.split(",")):
                     plan = ROPE_PLAN if "rope" in epilogue else default_plan(n, k, 2 if name == "gate_up" else 1)
-                    row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot)
-                    print(f"round {round_} {name:8s} {epilogue:10s} PDL {row['us']:7.2f} us plain {row['plain_us']:7.2f}"
+                    row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot, path)
+                    print(f"round {round_} {name:8s} {epilogue:10s} {path:7s} PDL {row['us']:7.2f} us plain {row['plain_us']:7.2f}"
                           f" us {100 * row['bytes'] / (row['us'] * 1e-6) / copy:5.1f}% of copy", flush=True)
         return
     rows = []
@@ -131,13 +133,13 @@ def main() -> None:
         plans = list(PLANS["small" if name in ("qkv", "o_proj") else name])
         if name != "qkv_rope" and default_plan(n, k, matrices) not in plans:
             plans.insert(0, default_plan(n, k, matrices))
-        for plan in plans:
-            row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot)
+        for plan, path in itertools.product(plans, args.paths.split(",")):
+            row = time_plan(name, n, k, epilogue, plan, rng, stream, args.hot, path)
             row["gbs"] = row["bytes"] / row["us"] / 1e3
             row["share"] = row["bytes"] / (row["us"] * 1e-6) / copy
             row["plain_gbs"] = row["bytes"] / row["plain_us"] / 1e3
             rows.append(row)
-            print(f"{name:8s} {n:6d}x{k:5d} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}{' split' if plan.split_tiles else ''}"
+            print(f"{name:8s} {n:6d}x{k:5d} {path:7s} plan R{plan.rows} D{plan.depth} W{plan.warps} B{plan.blocks_per_sm}{' split' if plan.split_tiles else ''}"
                   f" grid {row['grid']:4d}{' *' if row['default'] else '  '}  PDL {row['us']:7.2f} us "
                   f"{row['gbs']:6.0f} GB/s {100 * row['share']:5.1f}%   plain {row['plain_us']:7.2f} us "
                   f"{row['plain_gbs']:6.0f} GB/s", flush=True)

@@ -134,7 +134,7 @@ def build(hidden: int, intermediate: int, grid: int, warps: int, layout: str, ba
         raise ValueError(f"layout {layout!r}: one of {LAYOUTS}")
     check_shape(hidden, intermediate, grid)
     threads = 32 * warps
-    shared_words, stage, load_x, multiply = gemv_path("prmt", hidden, 1, threads, eps)
+    shared_words, _, stage, load_x, multiply = gemv_path("prmt", hidden, 1, threads, eps)
     units = intermediate // UNIT
     units_max = most_units(intermediate, grid)
     chunks = U(hidden // 32)

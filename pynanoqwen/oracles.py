@@ -60,6 +60,18 @@ def bound_report(name: str, error: np.ndarray, bound: np.ndarray) -> Check:
 # ----------------------------------------------------------------------------------------------
 # Linears
 
+def activation_scales(path: str, largest: np.ndarray) -> np.ndarray:
+    """The float32 scale of each group of a GEMV path that rounds x to integers, from the group's
+    largest |x|, as the kernel computes it: dp4a max / 127 (kernels/quantize_activation.py), fixed16
+    max * float32(1 / 32767) (kernels/gemv_int4_paths.py)."""
+    largest = largest.astype(np.float32)
+    return largest / np.float32(127) if path == "dp4a" else largest * np.float32(1.0 / 32767)
+
+
+# The GEMV paths that round x to integers, and how many inputs share a scale.
+INTEGER_ACTIVATIONS = {"dp4a": 128, "fixed16": 32}
+
+
 def gemv_oracle(qweight, scales, x: np.ndarray, path: str,
                 input_error: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(W x, bound on |GEMV(x) - W x|) for the INT4 GEMV on `path` (kernels/gemv_int4.py), W the
@@ -71,14 +83,19 @@ def gemv_oracle(qweight, scales, x: np.ndarray, path: str,
     K/32 + 8 roundings (K >= 128) of u32 times sum |w x|. prmt: each FP16 half-accumulator rounds 16
     times by at most u16 of the partial sum. dp4a: the integer dot is exact; x is rounded to INT8
     per 128-input group (|error| <= scale/2 + 2^-22 |x|, scale = max |x| / 127 over the group).
+    fixed16: the same with 16-bit integers per 32-input chunk (scale = max |x| / 32767 over the
+    chunk, activation_scales; kernels/gemv_int4_paths.py derives the bound).
     input_error: the GEMV reads a copy of x that may be off by up to this, elementwise (a fused
     RMSNorm's FP16 output); the bound grows by |W| input_error.
     """
     k = x.shape[0]
     x64 = x.astype(np.float64)
-    if path == "dp4a":
-        scale = np.abs(x64.reshape(-1, 128)).max(axis=1).astype(np.float32) / np.float32(127)
-        rounding = np.repeat(scale.astype(np.float64), 128) / 2 + 2.0**-22 * np.abs(x64)
+    if path in INTEGER_ACTIVATIONS:
+        group = INTEGER_ACTIVATIONS[path]
+        # The GEMV scales the x it reads, which may be larger than x by input_error.
+        reach = np.abs(x64) if input_error is None else np.abs(x64) + input_error
+        scale = activation_scales(path, reach.reshape(-1, group).max(axis=1))
+        rounding = np.repeat(scale.astype(np.float64), group) / 2 + 2.0**-22 * np.abs(x64)
     else:
         rounding = np.zeros(k)
     if input_error is not None:

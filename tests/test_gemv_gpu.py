@@ -1,10 +1,10 @@
 """INT4 GEMV on the GPU: both paths at every 7B linear shape against float64 numpy on fresh random
 weights and activations, and the bandwidth each reaches (run with -s to see it).
 
-Tolerances are the bounds derived in tests/sim/test_gemv_sim.py (u16 = 2^-11, u32 = 2^-24):
-prmt |error| <= 16 u16 sum|s w x| (FP16 accumulation over one lane's 16 products per half) plus
-(K/32 + 8) u32 sum|s w x| (float32); dp4a sum |s w| (x_scale/2 + 2^-22 |x|) (INT8 activations)
-plus the same float32 term. dev/gemv_plans.py times other GemvPlans.
+Tolerances are oracles.gemv_oracle's bounds, derived in tests/sim/test_gemv_sim.py (u16 = 2^-11,
+u32 = 2^-24): prmt |error| <= 16 u16 sum|s w x| (FP16 accumulation over one lane's 16 products per
+half) plus (K/32 + 8) u32 sum|s w x| (float32); dp4a and fixed16 sum |s w| (x_scale/2 + 2^-22 |x|)
+(x rounded to integers) plus the same float32 term. dev/gemv_plans.py times other GemvPlans.
 """
 
 import numpy as np
@@ -12,7 +12,7 @@ import pytest
 
 from pynanoqwen.kernels.gemv_int4 import GemvPlan, default_plan, gemv_bytes, make_gate_up_silu, make_gemv_int4
 from pynanoqwen.gpu_timing import time_gemv
-from pynanoqwen.quant import dequantize_int4
+from pynanoqwen.oracles import gemv_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -28,27 +28,6 @@ def random_int4(rng, n, k):
     return qweight, scales.astype(np.float16)
 
 
-def reference(qweight, scales, x64, *, rows_per_block=4096):
-    """(W x, |W| |x|, |W| r) in float64, with r the dp4a path's per-input rounding bound
-    (x_scale/2 + 2^-22 |x|), dequantizing a block of rows at a time (lm_head is 545M weights)."""
-    x_scale = np.abs(x64.reshape(-1, 128)).max(axis=1).astype(np.float32) / np.float32(127)
-    rounding = np.repeat(x_scale.astype(np.float64), 128) / 2 + 2.0**-22 * np.abs(x64)
-    n = qweight.shape[0]
-    y, magnitude, rounding_term = np.empty(n), np.empty(n), np.empty(n)
-    for first in range(0, n, rows_per_block):
-        rows = slice(first, first + rows_per_block)
-        w = dequantize_int4(qweight[rows], scales[rows], np.float64)
-        y[rows] = w @ x64
-        magnitude[rows] = np.abs(w) @ np.abs(x64)
-        rounding_term[rows] = np.abs(w) @ rounding
-    return y, magnitude, rounding_term
-
-
-def error_bound(path, magnitude, rounding_term, k):
-    float32_part = (k // 32 + 8) * U32 * magnitude
-    return float32_part + (16 * U16 * magnitude if path == "prmt" else rounding_term)
-
-
 def run_gemv(gemv, x, out, **epilogue):
     from numba import cuda
 
@@ -60,7 +39,7 @@ def run_gemv(gemv, x, out, **epilogue):
     return result
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 @pytest.mark.parametrize("name, n, k, epilogue", [
     ("qkv", QKV, HIDDEN, "bias"),
     ("o_proj", HIDDEN, HIDDEN, "residual"),
@@ -71,13 +50,11 @@ def test_gemv_7b_shapes(path, name, n, k, epilogue):
     rng = np.random.default_rng()
     qweight, scales = random_int4(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
-    x64 = x.astype(np.float64)
     bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
     out = rng.standard_normal(n).astype(np.float32)
     gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias)
     y = run_gemv(gemv, x, out, residual=epilogue == "residual")
-    expected, magnitude, rounding_term = reference(qweight, scales, x64)
-    bound = error_bound(path, magnitude, rounding_term, k)
+    expected, bound = gemv_oracle(qweight, scales, x, path)
     if bias is not None:
         expected += bias
     if epilogue == "residual":
@@ -87,19 +64,17 @@ def test_gemv_7b_shapes(path, name, n, k, epilogue):
     assert np.all(np.abs(y - expected) <= bound), (name, worst, y[worst], expected[worst], bound[worst])
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 def test_gate_up_silu_7b_shape(path):
     rng = np.random.default_rng()
     n, k = INTERMEDIATE, HIDDEN
     gate_q, gate_s = random_int4(rng, n, k)
     up_q, up_s = random_int4(rng, n, k)
     x = rng.standard_normal(k).astype(np.float16)
-    x64 = x.astype(np.float64)
     mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path)
     y = run_gemv(mlp, x, np.zeros(n, np.float16)).astype(np.float64)
-    g, *g_terms = reference(gate_q, gate_s, x64)
-    u, *u_terms = reference(up_q, up_s, x64)
-    bound_g, bound_u = error_bound(path, *g_terms, k), error_bound(path, *u_terms, k)
+    g, bound_g = gemv_oracle(gate_q, gate_s, x, path)
+    u, bound_u = gemv_oracle(up_q, up_s, x, path)
     silu = g / (1 + np.exp(-g))
     expected = silu * u
     # FP16 output rounding and float32 silu/product, plus g's and u's errors carried through
@@ -116,7 +91,7 @@ def test_gemv_bandwidth_report():
         matrices = 2 if name == "gate_up" else 1
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
-        for path in ("prmt", "dp4a"):
+        for path in ("prmt", "dp4a", "fixed16"):
             if matrices == 2:
                 def build(path=path):
                     (gq, gs), (uq, us) = weights

@@ -3,12 +3,14 @@
 W is an INT4 linear in the ValueShuffle layout of pynanoqwen/quant.py: qweight uint32 [N, K/8]
 (row n's K/8 words contiguous), scales float16 [N, K/128]. x is float16 [K]. At batch 1 every
 weight byte is used once, so the kernel's job is to stream qweight at memory speed (~4.3 TB/s on
-the H200) while doing as little arithmetic per weight as possible. Two real paths read the same
-layout, prmt (the default) and dp4a (INT8 activations); `--gemv prmt|dp4a` picks one.
+the H200) while doing as little arithmetic per weight as possible. Three paths read the same
+layout: prmt (FP16 arithmetic), fixed16 (x as 16-bit integers, dp4a arithmetic) and dp4a (INT8
+activations, a comparison path); the engine's "auto" takes fixed16, or prmt for a long K
+(`default_path`), and `--gemv prmt|dp4a` forces one.
 
 How the kernel is built: kernels/gemv_int4_kernel.py (the persistent grid and its work split, the
 load pipeline, programmatic dependent launch, the RoPE epilogue) and kernels/gemv_int4_paths.py
-(the two paths' arithmetic, the activation staging, the fused RMSNorm). This module owns the plans (`GemvPlan`, `default_plan`), the
+(the paths' arithmetic, the activation staging, the fused RMSNorm). This module owns the plans (`GemvPlan`, `default_plan`), the
 objects the engine launches and the compile targets.
 
 Memory traffic per call (`gemv_bytes`): N*K/2 bytes of qweight + N*K/64 of scales + 2K of x.
@@ -50,7 +52,20 @@ from .gemv_int4_kernel import MAX_DEPTH, gemv_kernel
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
-PATHS = ("prmt", "dp4a")
+PATHS = ("prmt", "fixed16", "dp4a")  # the kernel's arithmetic paths; "auto" picks one per shape
+
+
+def default_path(k: int) -> str:
+    """The path for a linear of input length k under "auto": the faster at each 7B shape
+    (docs/PERFORMANCE.md, "Decode, 2026-12-04 night"). fixed16 needs about half the instructions a
+    weight, but every block quantizes all of x while staging it; at K 18944 (down_proj) that costs
+    more than the cheaper arithmetic saves, so a long K keeps prmt."""
+    return "prmt" if k >= 8192 else "fixed16"
+
+
+def resolve_path(path: str, k: int) -> str:
+    """A kernel path for `path`, which may be "auto"."""
+    return default_path(k) if path == "auto" else path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +118,7 @@ def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
 
 def _check(path: str, n: int, k: int, qweight, scales, plan: GemvPlan) -> None:
     if path not in PATHS:
-        raise ValueError(f"unknown GEMV path {path!r}; choose one of {PATHS}")
+        raise ValueError(f"unknown GEMV path {path!r}; choose auto or one of {PATHS}")
     if k % GROUP_SIZE:
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     if tuple(qweight.shape) != (n, k // 8) or tuple(scales.shape) != (n, k // GROUP_SIZE):
@@ -138,7 +153,7 @@ class GemvInput:
     @property
     def kernel_norm_eps(self):
         """The eps the kernel itself is built with: only the prmt path fuses the norm."""
-        return self.norm_eps if self.path == "prmt" else None
+        return self.norm_eps if self.path != "dp4a" else None
 
     def activations(self, stream, x):
         """The kernel's `activations` tuple for x: float16 [K], or with a norm float32 h [K]
@@ -170,6 +185,7 @@ class Int4Gemv:
                 raise ValueError(f"a QKV GEMV with RoPE needs rows=2 (got {plan.rows}), N = (heads + 2 kv heads) "
                                  f"x head_dim (got {n} for {rope_heads}) and a bias")
         plan = default_plan(n, k) if plan is None else plan
+        path = resolve_path(path, k)
         _check(path, n, k, qweight, scales, plan)
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
@@ -221,6 +237,7 @@ class GateUpSilu:
     def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", plan=None,
                  norm_weight=None, norm_eps=None):
         plan = default_plan(n, k, matrices=2) if plan is None else plan
+        path = resolve_path(path, k)
         _check(path, n, k, gate_q, gate_s, plan)
         _check(path, n, k, up_q, up_s, plan)
         self._input = GemvInput(path, n, k, plan, norm_weight, norm_eps)
@@ -270,24 +287,26 @@ def _signature(path: str, *, out=types.float32, norm: bool = False):
     flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
     if norm:
         activations = types.Tuple((types.float32[::1], flat_u32))
-    elif path == "prmt":
+    elif path != "dp4a":
         activations = types.UniTuple(flat_u32, 1)
     else:
         activations = types.Tuple((flat_u32, types.float32[::1], types.int32[::1]))
     return types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16, out[::1])
 
 
-COMPILE_SM_COUNT = 132  # the grid the compile targets are built for (an H200's SMs)
+COMPILE_SM_COUNT = 132
+# What each path's PTX must contain (its arithmetic and its shared-memory reads).
+PATH_INSTRUCTIONS = {"prmt": ("prmt.b32", "fma.rn.f16x2", "ld.shared.v4.u32"), "dp4a": ("dp4a.s32.s32",),
+                     "fixed16": ("dp4a.u32.u32", "dp4a.u32.s32", "ld.shared.v4.u32", "prmt.b32")}  # the grid the compile targets are built for (an H200's SMs)
 
 
 def compile_targets() -> list[CompileTarget]:
-    """Both paths at every 7B linear (with the epilogue the engine uses there) and at a tiny shape."""
+    """Every path at every 7B linear (with the epilogue the engine uses there) and at a tiny shape."""
     hidden, intermediate, qkv, vocab = 3584, 18944, 4608, 152064
     targets = []
     for path in PATHS:
         must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "griddepcontrol.wait",
-                "griddepcontrol.launch_dependents") + (
-            ("prmt.b32", "fma.rn.f16x2", "ld.shared.v4.u32") if path == "prmt" else ("dp4a.s32.s32",))
+                "griddepcontrol.launch_dependents") + PATH_INSTRUCTIONS[path]
         for name, n, k, matrices, epilogue, out in (
                 ("qkv", qkv, hidden, 1, "bias", types.float32),
                 ("o_proj", hidden, hidden, 1, "residual", types.float32),
@@ -304,20 +323,22 @@ def compile_targets() -> list[CompileTarget]:
     rope_out = types.Tuple((types.float32[::1], pages, pages, types.int32[::1], types.int32[::1],
                             types.float32[:, ::1], types.float32[:, ::1]))
     flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
-    for path, activations, eps in (("prmt", types.Tuple((types.float32[::1], flat_u32)), 1e-6),
+    normed = types.Tuple((types.float32[::1], flat_u32))
+    for path, activations, eps in (("prmt", normed, 1e-6), ("fixed16", normed, 1e-6),
                                    ("dp4a", types.Tuple((flat_u32, types.float32[::1], types.int32[::1])), None)):
         kernel = gemv_kernel(path, qkv, hidden, 1, ROPE_PLAN, ROPE_PLAN.grid(qkv, COMPILE_SM_COUNT), "rope", eps,
                              (28, 4, 128))
         targets.append(CompileTarget(f"gemv_int4_{path}[qkv {qkv}x{hidden}, rope + KV write]", kernel,
                                      types.void(flat_u32, flat_f16, flat_u32, flat_f16, activations, flat_f16,
                                                 rope_out), ("griddepcontrol.wait", "cvt.rn.f16.f32")))
-    # The prmt kernels that read RMSNorm(h) (the engine's qkv, gate-up and lm_head).
-    must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "prmt.b32", "fma.rn.f16x2", "cvt.rn.f16x2.f32")
-    for name, n, k, matrices, epilogue, out in (("qkv", qkv, hidden, 1, "bias", types.float32),
-                                                ("gate_up", intermediate, hidden, 2, "silu", types.float16),
-                                                ("lm_head", vocab, hidden, 1, "store", types.float32)):
-        plan = default_plan(n, k, matrices)
-        kernel = gemv_kernel("prmt", n, k, matrices, plan, plan.grid(n, COMPILE_SM_COUNT), epilogue, 1e-6)
-        targets.append(CompileTarget(f"gemv_int4_prmt[{name} {n}x{k}, fused rmsnorm]", kernel,
-                                     _signature("prmt", out=out, norm=True), must))
+    # The kernels that read RMSNorm(h) (the engine's qkv, gate-up and lm_head).
+    for path, normed_must in (("prmt", ("cvt.rn.f16x2.f32",)), ("fixed16", ("fma.rn.f32",))):
+        must = ("ld.global.nc.v4.u32", "shfl.sync.bfly.b32") + PATH_INSTRUCTIONS[path] + normed_must
+        for name, n, k, matrices, epilogue, out in (("qkv", qkv, hidden, 1, "bias", types.float32),
+                                                    ("gate_up", intermediate, hidden, 2, "silu", types.float16),
+                                                    ("lm_head", vocab, hidden, 1, "store", types.float32)):
+            plan = default_plan(n, k, matrices)
+            kernel = gemv_kernel(path, n, k, matrices, plan, plan.grid(n, COMPILE_SM_COUNT), epilogue, 1e-6)
+            targets.append(CompileTarget(f"gemv_int4_{path}[{name} {n}x{k}, fused rmsnorm]", kernel,
+                                         _signature(path, out=out, norm=True), must))
     return targets

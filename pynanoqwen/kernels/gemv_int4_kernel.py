@@ -1,6 +1,6 @@
 """The INT4 GEMV kernel that kernels/gemv_int4.py builds and launches: its work split and load
-pipeline and the fused epilogues. The two arithmetic paths (prmt, dp4a), their activation staging
-and the fused RMSNorm are kernels/gemv_int4_paths.py's.
+pipeline and the fused epilogues. The arithmetic paths (prmt, fixed16, dp4a), their activation
+staging and the fused RMSNorm are kernels/gemv_int4_paths.py's.
 
 Work split (`GemvPlan`). A "tile" is R consecutive rows (of each matrix: gate/up read R rows of
 both); lane L of a warp takes 16-byte chunks c = L, L + 32, ... of its tile's rows (chunk c = inputs
@@ -96,7 +96,7 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     """
     rows, depth, warps = plan.rows, plan.depth, plan.warps
     threads = 32 * warps
-    shared_words, stage, load_x, multiply = gemv_path(path, k, rows, threads, norm_eps)
+    shared_words, x_words, stage, load_x, multiply = gemv_path(path, k, rows, threads, norm_eps)
     chunks = U(k // 32)
     steps = U(-(-(k // 32) // 32))  # a lane's steps over one tile (the last may leave lanes idle)
     words_per_row = U(k // 8)
@@ -108,7 +108,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     slot_words = 4 * rows * matrices
     slot_scales = rows * matrices
     partial_words = warps * slot_scales if split else 1  # a warp's sums of a tile it leaves unfinished
-    x_words = 16 if path == "prmt" else 8
     silu, bias, residual, rope = (epilogue == e for e in ("silu", "bias", "residual", "rope"))
     num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
     half = U(head_dim // 2)

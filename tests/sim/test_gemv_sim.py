@@ -13,6 +13,9 @@ Tolerances, derived rather than tuned (u16 = 2^-11, u32 = 2^-24 unit roundoffs):
   16 u16 * sum |s w x| (plus the float32 term above).
 - dp4a: the integer dot is exact, so against the quantized activations the float32 bound holds; against
   x itself each input adds |s w| * (x_scale/2 + 2^-22 |x|) (quantize_activation.py's rounding).
+- fixed16: the same with 16-bit integers per chunk of 32 inputs (x_scale = max|x| / 32767): against
+  the numpy model of its staging (fixed16_activations) the float32 bound holds; against x itself
+  oracles.gemv_oracle's bound.
 """
 
 import numpy as np
@@ -20,6 +23,7 @@ import pytest
 from numba import cuda
 
 from pynanoqwen.kernels.gemv_int4 import GemvPlan, make_gate_up_silu, make_gemv_int4
+from pynanoqwen.oracles import activation_scales, gemv_oracle
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.quant import dequantize_int4, quantize_int4
 
@@ -63,12 +67,32 @@ def dequantized_activations(gemv, k):
     return q * np.repeat(scale.astype(np.float64), 128), scale
 
 
+def fixed16_activations(x):
+    """x as the fixed16 GEMV stages it (kernels/gemv_int4_paths.py), in numpy: per chunk of 32
+    inputs, v = x * float32(32767 / max|x|) rounded once to an integer (the float64 product of two
+    float32 is exact), read back as v * oracles.activation_scales (max|x| * float32(1 / 32767))."""
+    chunks = np.asarray(x, np.float32).reshape(-1, 32)
+    largest = np.abs(chunks).max(axis=1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(32767) / np.where(largest > 0, largest, np.float32(1)), np.float32(0))
+    ints = np.rint(chunks.astype(np.float64) * inverse.astype(np.float64))
+    assert np.all(np.abs(ints) <= 32767)
+    return (ints * activation_scales("fixed16", largest).astype(np.float64)).reshape(-1)
+
+
+def activations_used(gemv, k, path, x):
+    """The activations the GEMV multiplies, in float64: x itself (prmt), its INT8 workspace decoded
+    (dp4a), or its 16-bit chunks (fixed16, modelled in numpy)."""
+    if path == "dp4a":
+        return dequantized_activations(gemv, k)[0]
+    return fixed16_activations(x) if path == "fixed16" else np.asarray(x, np.float64)
+
+
 # The simulator reports 2 SMs (device.SIMULATED_SM_COUNT), so a plan of 2 warps and 1 block per SM
 # runs 4 warps: each walks several tiles, and its pipeline of `depth` loads crosses tile boundaries.
 PIPELINED = GemvPlan(rows=1, depth=4, warps=2, blocks_per_sm=1)
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 @pytest.mark.parametrize("n, k, plan, epilogue", [
     (16, 256, GemvPlan(rows=4, depth=2), "plain"),    # 4 tiles: 4 of the block's 8 warps have none
     (24, 384, GemvPlan(rows=2, depth=3), "bias"),     # K/32 = 12 chunks: lanes 12..31 idle
@@ -95,7 +119,7 @@ def test_gemv_exact_activations(path, n, k, plan, epilogue):
     out_dtype = "float16" if epilogue == "float16" else "float32"
     gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, out_dtype=out_dtype, plan=plan)
     y = run(gemv, x, out.astype(out_dtype), residual=epilogue == "residual")
-    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
+    x_used = activations_used(gemv, k, path, x.astype(np.float64))
     expected = w @ x_used
     bound = float32_bound(w, x_used, k)
     if epilogue == "bias":
@@ -137,7 +161,43 @@ def test_dp4a_gaussian_activations_within_int8_rounding_bound():
     assert np.all(np.abs(y - w @ x64) <= bound)
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_fixed16_gaussian_activations_within_rounding_bound(outliers):
+    """Against x itself: oracles.gemv_oracle's bound, sum |s w| (x_scale/2 + 2^-22 |x|) over the
+    16-bit rounding of each 32-input chunk plus the float32 term. With outliers (a few inputs 300
+    times the rest, as LLM activations have) only their chunks lose resolution."""
+    rng = np.random.default_rng()
+    n, k = 16, 2176  # 68 chunks: lanes 0..3 take 3 steps
+    qweight, scales, _ = random_linear(rng, n, k)
+    x = rng.standard_normal(k)
+    if outliers:
+        x[rng.choice(k, 5, replace=False)] *= 300
+    x = x.astype(np.float16)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="fixed16", plan=GemvPlan(rows=4))
+    y = run(gemv, x, np.zeros(n, np.float32))
+    expected, bound = gemv_oracle(qweight, scales, x, "fixed16")
+    assert np.all(np.abs(y - expected) <= bound)
+
+
+def test_fixed16_fused_rmsnorm_gaussian_within_bound():
+    """Gaussian h, eps 1e-6: against float64 RMSNorm then W xn. xn stays float32 until it is
+    quantized, so its error is the float32 steps' (< 8 u32 relative), passed to the oracle as
+    input_error."""
+    rng = np.random.default_rng()
+    n, k, eps = 16, 1152, 1e-6
+    qweight, scales, _ = random_linear(rng, n, k)
+    h = (3.0 * rng.standard_normal(k)).astype(np.float32)
+    weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
+    h64 = h.astype(np.float64)
+    xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
+    gemv = make_gemv_int4(n, k, qweight, scales, path="fixed16", plan=GemvPlan(rows=2), norm_weight=weight,
+                          norm_eps=eps)
+    y = run(gemv, h, np.full(n, np.nan, np.float32))
+    expected, bound = gemv_oracle(qweight, scales, xn, "fixed16", input_error=8 * U32 * np.abs(xn))
+    assert np.all(np.abs(y - expected) <= bound)
+
+
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 @pytest.mark.parametrize("n, k, plan", [
     (16, 1152, GemvPlan(rows=2, depth=2)),
     (10, 1152, PIPELINED),
@@ -151,7 +211,7 @@ def test_gate_up_silu(path, n, k, plan):
     x = exact_activations(rng, k)
     mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, plan=plan)
     y = run(mlp, x, np.zeros(n, np.float16)).astype(np.float64)
-    x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else x.astype(np.float64)
+    x_used = activations_used(mlp, k, path, x.astype(np.float64))
     g, u = wg @ x_used, wu @ x_used
     silu = g / (1 + np.exp(-g))
     expected = silu * u
@@ -170,7 +230,7 @@ def normed_inputs(rng, k):
     return h, weight, (h.astype(np.float64) / 2) * weight
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 @pytest.mark.parametrize("n, k, rows", [(16, 256, 4), (24, 1024, 2)])
 def test_gemv_fused_rmsnorm_exact(path, n, k, rows):
     rng = np.random.default_rng()
@@ -182,11 +242,11 @@ def test_gemv_fused_rmsnorm_exact(path, n, k, rows):
     y = run(gemv, h, np.full(n, np.nan, np.float32))
     if path == "dp4a":  # the norm ran as its own kernel into the object's workspace
         assert np.array_equal(gemv._input.xn.copy_to_host().astype(np.float64), xn)
-    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else xn
+    x_used = activations_used(gemv, k, path, xn)
     assert np.all(np.abs(y - (w @ x_used + bias)) <= float32_bound(w, x_used, k))
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 def test_gate_up_silu_fused_rmsnorm_exact(path):
     rng = np.random.default_rng()
     n, k = 16, 1024
@@ -196,7 +256,7 @@ def test_gate_up_silu_fused_rmsnorm_exact(path):
     mlp = make_gate_up_silu(n, k, gate_q, gate_s, up_q, up_s, path=path, plan=PIPELINED,
                             norm_weight=weight, norm_eps=0.0)
     y = run(mlp, h, np.zeros(n, np.float16)).astype(np.float64)
-    x_used = dequantized_activations(mlp, k)[0] if path == "dp4a" else xn
+    x_used = activations_used(mlp, k, path, xn)
     g, u = wg @ x_used, wu @ x_used
     silu = g / (1 + np.exp(-g))
     expected = silu * u
@@ -227,7 +287,7 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
     assert np.all(np.abs(y - w @ xn) <= bound)
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["prmt", "dp4a", "fixed16"])
 @pytest.mark.parametrize("k, plan", [
     (256, GemvPlan(rows=2, depth=3, warps=2, blocks_per_sm=1)),
     (2048, GemvPlan(rows=2, depth=2, warps=3, blocks_per_sm=1, split_tiles=True)),  # 128 items a block on 3 warps: split tiles
@@ -261,7 +321,7 @@ def test_qkv_rope_kv_write(path, k, plan):
     gemv.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, cuda.to_device(page_table),
                      cuda.to_device(np.array([position], np.int32)), cuda.to_device(cos), cuda.to_device(sin))
 
-    x_used = dequantized_activations(gemv, k)[0] if path == "dp4a" else x.astype(np.float64)
+    x_used = activations_used(gemv, k, path, x.astype(np.float64))
     qkv = (w @ x_used + bias).reshape(-1, hd)
     error = (float32_bound(w, x_used, k) + U32 * np.abs(qkv.reshape(-1))).reshape(-1, hd)
     half = hd // 2
