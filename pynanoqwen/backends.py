@@ -148,7 +148,7 @@ class CpuBackend:
         """The model reads its file's mmap, which the garbage collector closes."""
 
 
-def load_backend(model_path, device_name: str, max_context: int, gemv: str = "prmt",
+def load_backend(model_path, device_name: str, max_context: int, gemv: str = "auto",
                  eager: bool = False) -> Backend:
     """Load the model in `model_path` for `device_name` ("cpu" or "cuda") with room for
     `max_context` positions. `gemv` (INT4 GEMV path) and `eager` (no CUDA graph) only matter
@@ -161,7 +161,7 @@ def load_backend(model_path, device_name: str, max_context: int, gemv: str = "pr
     raise NanoQwenError(f"--device must be cuda or cpu, got {device_name!r}")
 
 
-def load_engine(model_path, max_context: int, gemv: str = "prmt", eager: bool = False) -> GpuEngine:
+def load_engine(model_path, max_context: int, gemv: str = "auto", eager: bool = False) -> GpuEngine:
     """The GPU engine (engine.CudaBackend) on `model_path`; one NanoQwenError line when there is
     no GPU, or when the engine's CUDA libraries cannot be imported."""
     if not device.cuda_gpu_available():

@@ -59,7 +59,7 @@ class BenchSettings:
     gen_tokens: int = 128
     repeats: int = 5
     eager_tokens: int = 16
-    gemv: str = "prmt"
+    gemv: str = "auto"
     baseline: str | None = None  # "torch"
     kernels: bool = True
     gemv_paths: bool = True
@@ -471,10 +471,10 @@ def kernel_breakdown(backend, context: int) -> list[dict]:
 
 
 def gemv_paths(cfg: ModelConfig) -> list[dict]:
-    """prmt vs dp4a at each linear shape of `cfg` (random weights: speed does not depend on values)."""
+    """Every GEMV path at each linear shape of `cfg` (random weights: speed does not depend on values)."""
     from .gpu_timing import time_gemv
     from .kernels.gemm_int4_tiles import matrices_of
-    from .kernels.gemv_int4 import gemv_bytes, make_gate_up_silu, make_gemv_int4
+    from .kernels.gemv_int4 import PATHS, gemv_bytes, make_gate_up_silu, make_gemv_int4
 
     rng = np.random.default_rng(0)
     rows = []
@@ -483,7 +483,7 @@ def gemv_paths(cfg: ModelConfig) -> list[dict]:
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)
         row = {"name": name, "n": n, "k": k}
-        for path in GEMV_PATHS:
+        for path in PATHS:
             if matrices == 2:
                 (gq, gs), (uq, us) = weights
                 build = lambda p=path: make_gate_up_silu(n, k, gq, gs, uq, us, path=p)  # noqa: E731

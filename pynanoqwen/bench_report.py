@@ -11,7 +11,7 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     kernels    per-kernel breakdown of one decode step: name, launches, us, bytes, gbs, share
     kernel_summary  launches_per_step, kernel_us (sum of the groups), itl_us, bubble_us (ITL - kernel_us)
     decode_contexts ITL at each context: context, itl_ms {median, p10, p90}, gbs, roofline_share, floor_ms
-    gemv       prmt vs dp4a at each linear shape: us and GB/s of each
+    gemv       every GEMV path (prmt, fixed16, dp4a) at each linear shape: us and GB/s of each
     prefill    TTFT per prompt length: tokens, ttft_ms {median, p10, p90}, tok_s, tflops, peak_tflops
     gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops,
                peak_tflops
@@ -145,10 +145,11 @@ def render_markdown(result: dict) -> str:
                          f"{summary['kernel_us']:.0f} us of the {summary['itl_us']:.0f} us ITL: a bubble of "
                          f"{summary['bubble_us']:.0f} us (ITL minus the kernels timed back to back).")
     if result.get("gemv"):
-        lines += ["", "| GEMV shape (N x K) | prmt us | prmt GB/s | dp4a us | dp4a GB/s |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += ["", "| GEMV shape (N x K) | prmt us | prmt GB/s | fixed16 us | fixed16 GB/s | dp4a us | dp4a GB/s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for g in result["gemv"]:
             lines.append(f"| {g['name']} {g['n']}x{g['k']} | {g['prmt_us']:.1f} | {g['prmt_gbs']:.0f} | "
+                         f"{_fmt(g.get('fixed16_us'), '.1f')} | {_fmt(g.get('fixed16_gbs'), '.0f')} | "
                          f"{_fmt(g.get('dp4a_us'), '.1f')} | {_fmt(g.get('dp4a_gbs'), '.0f')} |")
     if result.get("prefill"):
         lines += ["", "| prefill (prompt tokens) | TTFT ms median (p10-p90) | prompt tok/s | TFLOP/s | share of "

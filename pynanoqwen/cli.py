@@ -99,8 +99,9 @@ def lookup_options(command):
               help="Fill in the middle: PROMPT is the code before the hole, TEXT the code after it.")
 @click.option("--max-context", type=int, default=32768, show_default=True,
               help="KV cache size in tokens (capped by the model's max_position_embeddings).")
-@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="prmt", show_default=True,
-              help="INT4 unpack path of the GPU GEMV kernels (dp4a: INT8 activations, the comparison path).")
+@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="auto", show_default=True,
+              help="Arithmetic of the GPU's INT4 GEMVs: auto (the faster of fixed16 and prmt at each shape), "
+                   "prmt, or dp4a (INT8 activations, the comparison path).")
 @click.option("--eager", is_flag=True, help="Launch GPU kernels one by one instead of replaying a CUDA graph.")
 @click.option("--skip-selfcheck", is_flag=True,
               help="On the GPU, skip the check of one decode step and one prefill chunk against float64 before "
@@ -159,10 +160,10 @@ def _token_counts(option: str, text: str) -> tuple[int, ...]:
 @click.option("--gen-tokens", type=int, default=128, show_default=True)
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed runs after one warm-up.")
 @click.option("--eager-tokens", type=int, default=16, show_default=True, help="Tokens timed in eager mode.")
-@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="prmt", show_default=True)
+@click.option("--gemv", type=click.Choice(GEMV_PATHS), default="auto", show_default=True)
 @click.option("--baseline", type=click.Choice(["torch"]), help="Also run transformers + torch on the same weights.")
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
-@click.option("--no-gemv-paths", is_flag=True, help="Skip the prmt vs dp4a GEMV table.")
+@click.option("--no-gemv-paths", is_flag=True, help="Skip the table of GEMV paths (prmt, fixed16, dp4a) at each shape.")
 @click.option("--no-prefill-sweep", is_flag=True,
               help="Skip the TTFT sweep over 128, 512, 2048, 8192 and 32000-token prompts (those the model holds).")
 @click.option("--contexts", default="512,4096,16384,32000", show_default=True, metavar="N,N,...",

@@ -43,7 +43,7 @@ class GenerateOptions:
     system: str | None = None
     fim_suffix: str | None = None
     max_context: int = DEFAULT_MAX_CONTEXT
-    gemv: str = "prmt"
+    gemv: str = "auto"
     eager: bool = False
     self_check: bool = True  # GPU only: one checked decode step before generating (selfcheck.py)
 

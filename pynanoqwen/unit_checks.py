@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 from numba import cuda
 
-from .kernels import PAGE_SIZE, GEMV_PATHS, attention_decode, embedding, gemv_fp16, gemv_int4, rmsnorm, \
+from .kernels import PAGE_SIZE, attention_decode, embedding, gemv_fp16, gemv_int4, rmsnorm, \
     rope_kv_write, sampling
 from .oracles import FP16_TINY, U16, U32, Check, attention_oracle, bound_report, fp16_gemv_oracle, gemv_oracle, \
     passed, rmsnorm_oracle, rope_oracle, silu_product_oracle
@@ -147,7 +147,7 @@ def check_linears(weights, rng) -> Iterator[Check]:
     def fp16(n: int) -> np.ndarray:  # fresh FP16 activations
         return rng.standard_normal(n).astype(np.float16)
 
-    for path in GEMV_PATHS:
+    for path in gemv_int4.PATHS:
         x = fp16(h)
         expected, bound = gemv_oracle(qkv_q, qkv_s, x, path)
         expected += qkv_bias

@@ -20,6 +20,8 @@ PREFILL_LAYER = ["input_norm", "qkv", "rope_kv_write", "attention", "o_proj", "p
 
 
 class Kernel:
+    path = "prmt"  # a GEMV's arithmetic, which the schedule names in its reports
+
     def launch(self, stream, *args, **kwargs):
         raise AssertionError("the schedule builds launches; it does not run them")
 
@@ -66,7 +68,7 @@ def fields_of(record) -> list:
 @pytest.mark.parametrize("lm_head_int4", [True, False])
 def test_a_decode_step_runs_the_layer_schedule_and_its_data_flows_forward(lm_head_int4):
     b = buffers()
-    ops = DecodeOps(CFG, weights(lm_head_int4), KERNELS, b, "prmt", context=100)
+    ops = DecodeOps(CFG, weights(lm_head_int4), KERNELS, b, context=100)
     launches = forward_launches(ops, "argmax", new_page=True)
     head = ["lm_head"] if lm_head_int4 else ["final_norm", "lm_head"]
     assert [launch.stage for launch in launches] == ["page_alloc", "embedding"] + LAYER * CFG.num_layers + head + [
@@ -80,7 +82,7 @@ def test_a_decode_step_runs_the_layer_schedule_and_its_data_flows_forward(lm_hea
 
 def test_a_prefill_chunk_runs_the_same_layer_schedule_over_rows_then_hands_over():
     b = buffers(rows=16)
-    ops = PrefillOps(CFG, weights(True), KERNELS, b, "prmt", rows=16)
+    ops = PrefillOps(CFG, weights(True), KERNELS, b, rows=16)
     launches = forward_launches(ops, "argmax")
     assert [launch.stage for launch in launches] == (["page_alloc", "embedding"] + PREFILL_LAYER * CFG.num_layers
                                                      + ["last_row", "lm_head", "sampler"])

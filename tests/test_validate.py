@@ -20,6 +20,7 @@ from pynanoqwen.backends import CpuBackend
 from pynanoqwen.cli import main
 from pynanoqwen.data import EMBEDDED_MODEL
 from pynanoqwen.fileformat import NanoQwenFile
+from pynanoqwen.kernels import GEMV_PATHS
 from pynanoqwen.reference import ReferenceModel, decoder_layer, load_layer
 
 LINE = re.compile(r"^(PASS|FAIL|SKIP)  +(format|reference|unit|layer|graph) +\S")
@@ -163,8 +164,8 @@ def test_gpu_tiers_compare_through_the_engine_interface(monkeypatch, wrong_graph
     result = run_validate("--device", "cuda", "--prompts", "3")
     checks, summary = check_lines(result.output)
     gpu = {re.split(r"  +", line)[2]: line.split()[0] for line in checks if re.match(r"\w+ +(layer|graph) ", line)}
-    expected = {f"{gemv} layer 0 vs reference": "PASS" for gemv in ("prmt", "dp4a")}
-    for gemv in ("prmt", "dp4a"):
+    expected = {f"{gemv} layer 0 vs reference": "PASS" for gemv in GEMV_PATHS}
+    for gemv in GEMV_PATHS:
         broken = gemv == wrong_graph
         expected[f"{gemv} graph vs eager tokens"] = "FAIL" if broken else "PASS"
         expected[f"{gemv} graph vs reference tokens"] = "FAIL" if broken else "PASS"

@@ -75,11 +75,11 @@ def prompt_chunks(n: int, longest: int, first: int = 0) -> list[tuple[int, int]]
 class CudaBackend(EngineProbes):
     """A .nanoqwen model on an NVIDIA GPU (sm_90), decoding through CUDA graphs (backend.GpuEngine)."""
 
-    def __init__(self, model, *, max_context: int = 32768, gemv: str = "prmt", eager: bool = False,
+    def __init__(self, model, *, max_context: int = 32768, gemv: str = "auto", eager: bool = False,
                  verify_data: bool = True, prefill: str = "batched", prefill_rows: int = PREFILL_BUCKETS[-1]):
         """`model`: a .nanoqwen path, or any reference.WeightSource (.config, .lm_head_int4,
         .tensor(name)), e.g. synthetic.SyntheticWeights. verify_data checks a file's checksums.
-        gemv: the INT4 GEMV path, "prmt" or "dp4a" (kernels/gemv_int4.py). prefill: "batched"
+        gemv: the INT4 GEMVs' path, "auto", "prmt" or "dp4a" (kernels.GEMV_PATHS). prefill: "batched"
         runs prompts through the tensor-core GEMMs in chunks of at most prefill_rows tokens (one
         of PREFILL_BUCKETS, 16..2048); "decode" one decode step per token (and allocates nothing for
         the batched path)."""
@@ -114,7 +114,7 @@ class CudaBackend(EngineProbes):
         self.state, self.act, self.kv = self.buffers.state, self.buffers.act, self.buffers.kv
         self.max_pages = device_buffers.max_pages(max_context)
         self.kernels = Kernels.build(cfg, self.max_pages, bool(self.prefill_buckets))
-        self.ops = DecodeOps(cfg, self.weights, self.kernels, self.buffers, gemv)
+        self.ops = DecodeOps(cfg, self.weights, self.kernels, self.buffers)
         self.steps = {(method, new_page): forward_launches(self.ops, method, new_page)
                       for method in METHODS for new_page in (False, True)}
         self.graphs, self.prefill_graphs = GraphCache(self.stream), GraphCache(self.stream)
@@ -147,7 +147,7 @@ class CudaBackend(EngineProbes):
 
     def prefill_launches(self, rows: int, method: str) -> list[Launch]:
         """The launch list of one prefill chunk in the bucket of `rows` rows, sampling by `method`."""
-        return forward_launches(PrefillOps(self.config, self.weights, self.kernels, self.buffers, self.gemv, rows),
+        return forward_launches(PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows),
                                 method)
 
     def _bucket(self, m: int) -> int:

@@ -65,7 +65,7 @@ class EngineProbes:
                 for group in stages.values()]
 
     def _ops(self, state: StepState, context: int) -> DecodeOps:
-        return DecodeOps(self.config, self.weights, self.kernels, self.buffers, self.gemv, state=state,
+        return DecodeOps(self.config, self.weights, self.kernels, self.buffers, state=state,
                          context=context)
 
     def teacher_forced_logits(self, token_ids) -> np.ndarray:

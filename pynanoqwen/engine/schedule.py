@@ -124,9 +124,9 @@ class DecodeOps:
     """How each stage launches for one token at pos (state.pos), reading the layer's KV pages
     through state.page_table. `context` only sets the attention's traffic in `Launch.bytes`."""
 
-    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers, gemv: str,
+    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers,
                  *, state: StepState | None = None, context: int = 0):
-        self.cfg, self.weights, self.kernels, self.gemv, self.context = cfg, weights, kernels, gemv, context
+        self.cfg, self.weights, self.kernels, self.context = cfg, weights, kernels, context
         self.buffers, self.act, self.kv = buffers, buffers.act, buffers.kv
         self.state = buffers.state if state is None else state
 
@@ -158,7 +158,7 @@ class DecodeOps:
                             (a.h, a.q, k, v, s.page_table, s.pos, self.buffers.rope_cos, self.buffers.rope_sin),
                             {"q": a.q, "k_pages": k, "v_pages": v},
                             gemv_bytes(n, h) + 4 * h + 2 * n + 4 * cfg.q_size + 4 * cfg.kv_size + 4 * cfg.head_dim,
-                            f"gemv {self.gemv} +rmsnorm +rope")
+                            f"gemv {layer.qkv.path} +rmsnorm +rope")
 
     def rope_kv_write(self, index: int) -> list[Launch]:
         return []  # the QKV GEMV's epilogue does it
@@ -172,17 +172,17 @@ class DecodeOps:
     def o_proj(self, index: int, layer: DeviceLayer) -> Launch:
         h = self.cfg.hidden_size
         return self._launch("o_proj", index, layer.o_proj.launch, (self.act.attn, self.act.h), {"h": self.act.h},
-                            gemv_bytes(h, self.cfg.q_size) + 8 * h, f"gemv {self.gemv}", residual=True)
+                            gemv_bytes(h, self.cfg.q_size) + 8 * h, f"gemv {layer.o_proj.path}", residual=True)
 
     def gate_up(self, index: int, layer: DeviceLayer) -> Launch:
         h, i = self.cfg.hidden_size, self.cfg.intermediate_size
         return self._launch("gate_up", index, layer.gate_up.launch, (self.act.h, self.act.mlp), {"mlp": self.act.mlp},
-                            2 * gemv_bytes(i, h) + 4 * h + 2 * i, f"gemv {self.gemv} +rmsnorm")
+                            2 * gemv_bytes(i, h) + 4 * h + 2 * i, f"gemv {layer.gate_up.path} +rmsnorm")
 
     def down(self, index: int, layer: DeviceLayer) -> Launch:
         h = self.cfg.hidden_size
         return self._launch("down", index, layer.down.launch, (self.act.mlp, self.act.h), {"h": self.act.h},
-                            gemv_bytes(h, self.cfg.intermediate_size) + 8 * h, f"gemv {self.gemv}", residual=True)
+                            gemv_bytes(h, self.cfg.intermediate_size) + 8 * h, f"gemv {layer.down.path}", residual=True)
 
     def last_row(self) -> list[Launch]:
         return []  # the step's h is already the decode buffer
@@ -193,7 +193,7 @@ class DecodeOps:
         h, vocab = cfg.hidden_size, cfg.vocab_size
         if w.lm_head_int4:
             return [self._launch("lm_head", None, w.lm_head.launch, (a.h, a.logits), {"logits": a.logits},
-                                 gemv_bytes(vocab, h) + 4 * h + 4 * vocab, f"gemv {self.gemv} +rmsnorm")]
+                                 gemv_bytes(vocab, h) + 4 * h + 4 * vocab, f"gemv {w.lm_head.path} +rmsnorm")]
         return [self._launch("final_norm", None, self.kernels.rmsnorm.launch, (a.h, w.final_norm, a.xn), {"xn": a.xn},
                              8 * h, "rmsnorm"),
                 self._launch("lm_head", None, w.lm_head.launch, (a.xn, a.logits), {"logits": a.logits},
@@ -213,9 +213,8 @@ class PrefillOps(DecodeOps):
     (final norm, lm_head, sampler) is decode's, inherited: last_row has put the chunk's last row
     into the decode buffers and set pos, so the first token is drawn as after token-by-token prefill."""
 
-    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers, gemv: str,
-                 rows: int):
-        super().__init__(cfg, weights, kernels, buffers, gemv)
+    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers, rows: int):
+        super().__init__(cfg, weights, kernels, buffers)
         self.rows, self.b = rows, buffers.prefill[rows]
         self.start, self.m = buffers.chunk[0:1], buffers.chunk[1:2]
 

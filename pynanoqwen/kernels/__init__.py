@@ -19,9 +19,10 @@ PAGE_SIZE = 16
 """Positions per KV page (docs/DECODE.md): one (page, kv head) tile is PAGE_SIZE x head_dim FP16
 values, position p lives in page page_table[p // PAGE_SIZE], slot p % PAGE_SIZE."""
 
-GEMV_PATHS = ("prmt", "dp4a")
-"""The INT4 GEMV's two unpack paths (gemv_int4.py), `--gemv prmt|dp4a`: prmt is the default; dp4a,
-with INT8 activations, is the seed's Path A, kept selectable so the benchmark can compare them."""
+GEMV_PATHS = ("auto", "prmt", "dp4a")
+"""What `--gemv` chooses for the INT4 GEMVs (gemv_int4.py): auto (the default) gives each linear the
+path measured faster at its shape (gemv_int4.default_path: fixed16, or prmt for a long K); prmt or
+dp4a (INT8 activations, the seed's Path A, kept so the benchmark can compare) everywhere."""
 
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
                   "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",
