@@ -4,13 +4,15 @@ Each JSON is one `python -m pynanoqwen bench --json ...` run that mattered (see 
 for the schema). The page lists every run oldest first and plots decode ITL and TTFT per run, so
 the history of our speed is visible in the repository.
 
-    python bench/render_results.py            # rewrites bench/RESULTS.md and bench/history.png
+    python bench/render_results.py [RESULTS_DIR [PAGE]]   # rewrites bench/RESULTS.md and bench/history.png
+
+A folder without result files is an error that leaves the page as it is.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -90,7 +92,9 @@ def plot(runs: list[dict], out: Path) -> bool:
 
 
 def main(folder: Path = HERE / "results", page: Path = HERE / "RESULTS.md") -> None:
-    runs = load_results(folder)
+    runs = load_results(folder) if folder.is_dir() else []
+    if not runs:
+        raise SystemExit(f"error: no result files (*.json) in {folder}; {page} is left as it is")
     png = page.with_name("history.png")
     has_plot = plot(runs, png)
     page.write_text(render_page(runs, png.name if has_plot else None))
@@ -98,4 +102,8 @@ def main(folder: Path = HERE / "results", page: Path = HERE / "RESULTS.md") -> N
 
 
 if __name__ == "__main__":
-    main(*(Path(a) for a in sys.argv[1:3]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=HERE / "results", help="the bench --json files")
+    parser.add_argument("page", nargs="?", type=Path, default=HERE / "RESULTS.md", help="the page to write")
+    args = parser.parse_args()
+    main(args.folder, args.page)

@@ -175,6 +175,10 @@ def test_history_page_renders(tmp_path):
     # A run of a tree with uncommitted changes says so; the others name their commit alone.
     assert text.count("| 01234567 |") == 2 and text.count("| 01234567 (uncommitted changes) |") == 1
     assert (tmp_path / "history.png").stat().st_size > 1000
+    # A folder with no results (a mistyped path) is an error that leaves the page alone.
+    with pytest.raises(SystemExit, match="no result files"):
+        render.main(tmp_path / "no such folder", page)
+    assert page.read_text() == text
 
 
 def test_bf16_baseline_bytes_count_every_weight_once():
