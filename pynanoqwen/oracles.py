@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from .kernels import kernel_path
 from .quant import dequantize_int4
 
 U16, U32 = 2.0**-11, 2.0**-24
@@ -86,9 +87,11 @@ def gemv_oracle(qweight, scales, x: np.ndarray, path: str,
     fixed16: the same with 16-bit integers per 32-input chunk (scale = max |x| / 32767 over the
     chunk, activation_scales; kernels/gemv_int4_paths.py derives the bound).
     input_error: the GEMV reads a copy of x that may be off by up to this, elementwise (a fused
-    RMSNorm's FP16 output); the bound grows by |W| input_error.
+    RMSNorm's FP16 output); the bound grows by |W| input_error. path may be "auto": the bound is
+    that of the path a GEMV of this K runs (kernels.kernel_path).
     """
     k = x.shape[0]
+    path = kernel_path(path, k)
     x64 = x.astype(np.float64)
     if path in INTEGER_ACTIVATIONS:
         group = INTEGER_ACTIVATIONS[path]

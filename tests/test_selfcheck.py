@@ -33,7 +33,7 @@ def weights(request):
     return tiny_weights(request.param, seed=int(np.random.default_rng().integers(1000)))
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["auto", "prmt", "dp4a"])
 @pytest.mark.parametrize("fused_norm", [True, False])
 def test_a_correct_step_passes(weights, path, fused_norm):
     rng = np.random.default_rng()
@@ -102,7 +102,7 @@ def random_prompt(weights, rng, length=24):
     return [int(t) for t in rng.integers(0, weights.config.vocab_size, length)]
 
 
-@pytest.mark.parametrize("path", ["prmt", "dp4a"])
+@pytest.mark.parametrize("path", ["auto", "prmt", "dp4a"])
 def test_a_correct_prefill_chunk_passes(weights, path):
     rng = np.random.default_rng()
     prompt = random_prompt(weights, rng)
@@ -201,3 +201,18 @@ def test_cli_takes_skip_selfcheck(tiny_file):
     result = CliRunner().invoke(main, ["generate", "--model", str(path), "--device", "cpu", "--max-new-tokens", "2",
                                        "--skip-selfcheck", "def f():"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("k, runs", [(256, "fixed16"), (8192, "prmt")])
+def test_the_gemv_oracle_of_auto_is_that_of_the_path_the_linear_runs(k, runs):
+    """The self-check passes the engine's --gemv (auto) to oracles.gemv_oracle: its bound must be
+    that of the kernel a linear of this K runs (kernels.kernel_path), which differs between paths."""
+    from pynanoqwen.oracles import gemv_oracle
+    from pynanoqwen.quant import quantize_int4
+
+    rng = np.random.default_rng()
+    qweight, scales = quantize_int4(rng.standard_normal((4, k)).astype(np.float32))
+    x = rng.standard_normal(k).astype(np.float16)
+    bounds = {path: gemv_oracle(qweight, scales, x, path)[1] for path in ("auto", "prmt", "fixed16")}
+    other = "prmt" if runs == "fixed16" else "fixed16"
+    assert np.array_equal(bounds["auto"], bounds[runs]) and not np.array_equal(bounds["auto"], bounds[other])

@@ -21,8 +21,19 @@ values, position p lives in page page_table[p // PAGE_SIZE], slot p % PAGE_SIZE.
 
 GEMV_PATHS = ("auto", "prmt", "dp4a")
 """What `--gemv` chooses for the INT4 GEMVs (gemv_int4.py): auto (the default) gives each linear the
-path measured faster at its shape (gemv_int4.default_path: fixed16, or prmt for a long K); prmt or
+path measured faster at its shape (kernel_path: fixed16, or prmt for a long K); prmt or
 dp4a (INT8 activations, the seed's Path A, kept so the benchmark can compare) everywhere."""
+
+
+def kernel_path(gemv: str, k: int) -> str:
+    """The arithmetic path (gemv_int4.PATHS) a GEMV of input length k runs under `--gemv gemv`: auto
+    takes the faster at each 7B shape (docs/PERFORMANCE.md, "Decode, 2026-12-04 night"). fixed16
+    needs about half the instructions a weight, but every block quantizes all of x while staging
+    it; at K 18944 (down_proj) that costs more than the cheaper arithmetic saves, so a long K
+    keeps prmt."""
+    if gemv != "auto":
+        return gemv
+    return "prmt" if k >= 8192 else "fixed16"
 
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
                   "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",

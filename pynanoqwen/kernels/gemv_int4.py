@@ -6,7 +6,7 @@ weight byte is used once, so the kernel's job is to stream qweight at memory spe
 the H200) while doing as little arithmetic per weight as possible. Three paths read the same
 layout: prmt (FP16 arithmetic), fixed16 (x as 16-bit integers, dp4a arithmetic) and dp4a (INT8
 activations, a comparison path); the engine's "auto" takes fixed16, or prmt for a long K
-(`default_path`), and `--gemv prmt|dp4a` forces one.
+(kernels.kernel_path), and `--gemv prmt|dp4a` forces one.
 
 How the kernel is built: kernels/gemv_int4_kernel.py (the persistent grid and its work split, the
 load pipeline, programmatic dependent launch, the RoPE epilogue) and kernels/gemv_int4_paths.py
@@ -47,25 +47,12 @@ from numba.core import types
 from ..config import GROUP_SIZE
 from ..device import sm_count
 from ..launch import launch
-from . import CompileTarget, on_device
+from . import CompileTarget, kernel_path, on_device
 from .gemv_int4_kernel import MAX_DEPTH, gemv_kernel
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
-PATHS = ("prmt", "fixed16", "dp4a")  # the kernel's arithmetic paths; "auto" picks one per shape
-
-
-def default_path(k: int) -> str:
-    """The path for a linear of input length k under "auto": the faster at each 7B shape
-    (docs/PERFORMANCE.md, "Decode, 2026-12-04 night"). fixed16 needs about half the instructions a
-    weight, but every block quantizes all of x while staging it; at K 18944 (down_proj) that costs
-    more than the cheaper arithmetic saves, so a long K keeps prmt."""
-    return "prmt" if k >= 8192 else "fixed16"
-
-
-def resolve_path(path: str, k: int) -> str:
-    """A kernel path for `path`, which may be "auto"."""
-    return default_path(k) if path == "auto" else path
+PATHS = ("prmt", "fixed16", "dp4a")  # the kernel's arithmetic paths; "auto" picks one per shape (kernel_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +172,7 @@ class Int4Gemv:
                 raise ValueError(f"a QKV GEMV with RoPE needs rows=2 (got {plan.rows}), N = (heads + 2 kv heads) "
                                  f"x head_dim (got {n} for {rope_heads}) and a bias")
         plan = default_plan(n, k) if plan is None else plan
-        path = resolve_path(path, k)
+        path = kernel_path(path, k)
         _check(path, n, k, qweight, scales, plan)
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
@@ -237,7 +224,7 @@ class GateUpSilu:
     def __init__(self, n, k, gate_q, gate_s, up_q, up_s, *, path="prmt", plan=None,
                  norm_weight=None, norm_eps=None):
         plan = default_plan(n, k, matrices=2) if plan is None else plan
-        path = resolve_path(path, k)
+        path = kernel_path(path, k)
         _check(path, n, k, gate_q, gate_s, plan)
         _check(path, n, k, up_q, up_s, plan)
         self._input = GemvInput(path, n, k, plan, norm_weight, norm_eps)

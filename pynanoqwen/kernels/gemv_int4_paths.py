@@ -1,7 +1,7 @@
 """The arithmetic paths of the INT4 GEMV (kernels/gemv_int4_kernel.py builds the kernel around one):
 how a lane multiplies a 16-byte weight chunk by its activations, and how a block stages the
 activations in shared memory first, with or without a fused RMSNorm. The engine's "auto" takes
-fixed16, and prmt for a long K (gemv_int4.default_path).
+fixed16, and prmt for a long K (kernels.kernel_path).
 
 - prmt: `prmt.b32` drops two weight bytes into two FP16 halves whose exponent byte is 0x64, so
   after one AND each half is 1024 + nibble (low nibbles) or 1024 + 16 * nibble (high); one
