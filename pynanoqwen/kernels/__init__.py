@@ -25,6 +25,11 @@ path measured faster at its shape (kernel_path: fixed16, or prmt for a long K); 
 dp4a (INT8 activations, the seed's Path A, kept so the benchmark can compare) everywhere."""
 
 
+LONG_K = 8192
+"""An input length from which staging x costs every GEMV block enough to change its plan
+(gemv_int4.default_plan) and its path (kernel_path): down_proj's 18944, not the 3584 of the rest."""
+
+
 def kernel_path(gemv: str, k: int) -> str:
     """The arithmetic path (gemv_int4.PATHS) a GEMV of input length k runs under `--gemv gemv`: auto
     takes the faster at each 7B shape (docs/PERFORMANCE.md, "Decode, 2026-12-04 night"). fixed16
@@ -33,7 +38,7 @@ def kernel_path(gemv: str, k: int) -> str:
     keeps prmt."""
     if gemv != "auto":
         return gemv
-    return "prmt" if k >= 8192 else "fixed16"
+    return "prmt" if k >= LONG_K else "fixed16"
 
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
                   "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",

@@ -47,7 +47,7 @@ from numba.core import types
 from ..config import GROUP_SIZE
 from ..device import sm_count
 from ..launch import launch
-from . import CompileTarget, kernel_path, on_device
+from . import LONG_K, CompileTarget, kernel_path, on_device
 from .gemv_int4_kernel import MAX_DEPTH, gemv_kernel
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
@@ -98,7 +98,7 @@ def default_plan(n: int, k: int, matrices: int = 1) -> GemvPlan:
     (37 KiB at K 18944), so half the blocks stage it half as often (the likely reason; not profiled)."""
     if matrices == 2:
         return GemvPlan(rows=1, depth=4, warps=8, blocks_per_sm=2)
-    if k >= 8192:
+    if k >= LONG_K:
         return GemvPlan(rows=2, depth=4, warps=16, blocks_per_sm=1, split_tiles=True)
     return GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=2)
 
@@ -119,8 +119,8 @@ class GemvInput:
     path the INT8 workspace.
 
     With a norm (weight float16 [K], eps) the input is the float32 residual stream h and the GEMV
-    reads x = RMSNorm(h) * weight: the prmt kernel computes it while staging (one launch); the
-    dp4a path runs kernels/rmsnorm.py into its own float16 workspace, then quantizes that.
+    reads x = RMSNorm(h) * weight: the prmt and fixed16 kernels compute it while staging (one
+    launch); the dp4a path runs kernels/rmsnorm.py into its own float16 workspace, then quantizes that.
     """
 
     def __init__(self, path: str, n: int, k: int, plan: GemvPlan, norm_weight=None, norm_eps=None):
@@ -139,7 +139,7 @@ class GemvInput:
 
     @property
     def kernel_norm_eps(self):
-        """The eps the kernel itself is built with: only the prmt path fuses the norm."""
+        """The eps the kernel itself is built with: every path but dp4a fuses the norm."""
         return self.norm_eps if self.path != "dp4a" else None
 
     def activations(self, stream, x):
