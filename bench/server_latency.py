@@ -12,6 +12,10 @@
    matter for a random-weight model, most of whose ids have no text in its small tokenizer.
    TTFT and ITL are medians; the overhead is server minus direct. Every repeat's prompt starts
    with another line, so no run reuses another's KV pages, and both paths prefill every token.
+   The server's TTFT is split where the server stamps it: from the route's entry to the engine's
+   first token (/metrics' TTFT histogram, read between requests) and from the job's start to it
+   (the last event's timings.prompt_ms); the direct run's page lease, which its timer leaves out
+   and the server's job includes, is timed on its own.
 2. Prefix cache. An /infill with ~`context_tokens` of repository context, sent once, then again
    `repeats` times with only the current line (`prompt`, at the end) changed: TTFT of those, the
    prompt tokens the server actually computed (timings.prompt_n), and the same request with
@@ -70,8 +74,10 @@ class Direct:
         self.cache = PrefixCache.for_backend(backend) if hasattr(backend, "generate_paged") else None
 
     def stamps(self, prompt: list[int], gen_tokens: int) -> list[float]:
-        """Seconds from the call to each generated token."""
+        """Seconds from the call to each generated token (self.lease_s: the lease before it)."""
+        start = time.perf_counter()
         lease = self.cache.lease(prompt, len(prompt) + gen_tokens) if self.cache else None
+        self.lease_s = time.perf_counter() - start
         start = time.perf_counter()
         tokens = (self.backend.generate_paged(prompt, GREEDY, gen_tokens, self.stop_ids, lease) if lease
                   else self.backend.generate(prompt, GREEDY, gen_tokens, self.stop_ids))
@@ -94,14 +100,26 @@ def streamed(http: httpx.Client, path: str, body: dict) -> tuple[list[float], di
     return stamps, last
 
 
-def overhead_times(direct: Direct, http, tokenizer, prompts, gen_tokens) -> dict[str, tuple[list, list]]:
-    """TTFTs and inter-token latencies of both paths, run in turns so that both see the same machine;
-    the first prompt warms both up and is not counted."""
+def histogram_sum(http, name: str) -> float:
+    return metric(http.get("/metrics").text, f"{name}_sum")
+
+
+def overhead_times(direct: Direct, http, tokenizer, prompts, gen_tokens) -> tuple[dict[str, tuple[list, list]], dict]:
+    """TTFTs and inter-token latencies of both paths, run in turns so that both see the same machine,
+    and the server's TTFT in its phases (module docstring), ms; the first prompt warms both up and
+    is not counted."""
     times = {"direct": ([], []), "server": ([], [])}
+    phases = {"route_to_first_token": [], "job_to_first_token": [], "direct_lease": []}
     for i, prefix in enumerate(prompts):
         ids = tokenizer.encode(infill_prompt(prefix, "", (), ""))  # what the server makes of the request
-        runs = {"direct": direct.stamps(ids, gen_tokens),
-                "server": streamed(http, "/infill", infill_body(prefix, gen_tokens))[0][:-1]}  # last: the summary
+        before = histogram_sum(http, "pynanoqwen_time_to_first_token_seconds")
+        server_stamps, last = streamed(http, "/infill", infill_body(prefix, gen_tokens))
+        route = histogram_sum(http, "pynanoqwen_time_to_first_token_seconds") - before
+        runs = {"direct": direct.stamps(ids, gen_tokens), "server": server_stamps[:-1]}  # last: the summary
+        if i:
+            phases["route_to_first_token"].append(1000 * route)
+            phases["job_to_first_token"].append(last["timings"]["prompt_ms"])
+            phases["direct_lease"].append(1000 * direct.lease_s)
         for side, stamps in runs.items():
             if len(stamps) < 2:
                 raise SystemExit(f"error: the {side} run generated {len(stamps)} token(s) of {gen_tokens}: "
@@ -109,7 +127,7 @@ def overhead_times(direct: Direct, http, tokenizer, prompts, gen_tokens) -> dict
             if i:
                 times[side][0].append(stamps[0])
                 times[side][1].extend(b - a for a, b in zip(stamps, stamps[1:]))
-    return times
+    return times, {name: statistics.median(values) for name, values in phases.items()}
 
 
 def infill_times(http, tokenizer, context_tokens, repeats) -> dict:
@@ -211,7 +229,7 @@ def main(argv=None) -> dict:
         prompts = [prompt_of(tokenizer, args.prompt_tokens, run) for run in range(2 + args.repeats)]
         url = server_url()
         with httpx.Client(base_url=url, timeout=600) as http:
-            times = overhead_times(Direct(backend, tokenizer), http, tokenizer, prompts[1:], args.gen_tokens)
+            times, phases = overhead_times(Direct(backend, tokenizer), http, tokenizer, prompts[1:], args.gen_tokens)
             infill = infill_times(http, tokenizer, min(args.context_tokens, max_context - 64), args.repeats)
             cancel = cancel_times(http, url, prompts[0][:64], args.repeats)
     finally:
@@ -222,11 +240,14 @@ def main(argv=None) -> dict:
         "model": str(model_path), "device": device, "git_commit": git_commit(), "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "repeats": args.repeats,
         **{side: {"ttft_ms": ms(ttfts), "itl_ms": ms(itls)} for side, (ttfts, itls) in times.items()},
-        "infill_prefix_cache": infill, "cancellation": cancel,
+        "server_ttft_phases_ms": phases, "infill_prefix_cache": infill, "cancellation": cancel,
     }
     result["overhead"] = {key: result["server"][key] - result["direct"][key] for key in ("ttft_ms", "itl_ms")}
     rows = [("TTFT, direct / server / overhead (ms)", f"{result['direct']['ttft_ms']:.3f} / "
              f"{result['server']['ttft_ms']:.3f} / {result['overhead']['ttft_ms']:.3f}"),
+            ("server TTFT: route to first token / job to first token; direct's lease (ms)",
+             f"{phases['route_to_first_token']:.3f} / {phases['job_to_first_token']:.3f}; "
+             f"{phases['direct_lease']:.3f}"),
             ("ITL, direct / server / overhead (ms)", f"{result['direct']['itl_ms']:.4f} / "
              f"{result['server']['itl_ms']:.4f} / {result['overhead']['itl_ms']:.4f}"),
             (f"/infill TTFT, {infill['prompt_tokens']} prompt tokens, {infill['computed_tokens']:.0f} computed (ms)",

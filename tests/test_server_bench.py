@@ -25,6 +25,10 @@ def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
     result = json.loads(out.read_text())
     for side in ("direct", "server"):
         assert result[side]["ttft_ms"] > 0 and result[side]["itl_ms"] > 0
+    # The server's stamps nest: the client sends before the route starts, which is before the job starts.
+    phases = result["server_ttft_phases_ms"]
+    assert result["server"]["ttft_ms"] > phases["route_to_first_token"] > phases["job_to_first_token"] > 0
+    assert phases["direct_lease"] > 0
     infill = result["infill_prefix_cache"]
     assert infill["prompt_tokens"] >= 140 and 0 < infill["computed_tokens"] < infill["prompt_tokens"] - 100
     assert result["cancellation"]["cancelled"] == 2 and result["cancellation"]["server_ms"] > 0
