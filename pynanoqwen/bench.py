@@ -15,8 +15,9 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   CUDA graph between events; `share` is its time over the sum of all types.
 - The GEMV table times both INT4 paths at every linear shape of the model, rotating weight copies
   larger than the L2 so that every call reads HBM.
-- Prefill sweep: TTFT of prompts of 128, 512, 2048 and 8192 tokens (the longer ones run in chunks
-  of 2048), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
+- Prefill sweep: TTFT of prompts of 16, 128, 512, 2048, 8192 and 32000 tokens (the longer ones run
+  in chunks of 2048; 16 is the largest chunk on the SMALL mma.sync tiles, and about the rows of a
+  prompt-lookup verify pass), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
   row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s the H200 reaches
   in dense bf16 (PEAK_TFLOPS).
 - Prefix cache: TTFT of a 4006-token prompt whose first 3990 tokens an earlier request left in the
@@ -63,7 +64,7 @@ class BenchSettings:
     baseline: str | None = None  # "torch"
     kernels: bool = True
     gemv_paths: bool = True
-    prefill_lengths: tuple[int, ...] = (128, 512, 2048, 8192, 32000)  # () skips; lengths past the model's context too
+    prefill_lengths: tuple[int, ...] = (16, 128, 512, 2048, 8192, 32000)  # () skips; lengths past the model's context too
     gemm_tiles: bool = True
     contexts: tuple[int, ...] = (512, 4096, 16384, 32000)  # decode ITL sweep; () skips; past the context too
     seed: int = 0

@@ -165,7 +165,7 @@ def _token_counts(option: str, text: str) -> tuple[int, ...]:
 @click.option("--no-kernels", is_flag=True, help="Skip the per-kernel breakdown.")
 @click.option("--no-gemv-paths", is_flag=True, help="Skip the table of GEMV paths (prmt, fixed16, dp4a) at each shape.")
 @click.option("--no-prefill-sweep", is_flag=True,
-              help="Skip the TTFT sweep over 128, 512, 2048, 8192 and 32000-token prompts (those the model holds).")
+              help="Skip the TTFT sweep over 16, 128, 512, 2048, 8192 and 32000-token prompts (those the model holds).")
 @click.option("--contexts", default="512,4096,16384,32000", show_default=True, metavar="N,N,...",
               help="Contexts of the decode ITL sweep (those the model holds); '' skips it.")
 @click.option("--no-gemm-tiles", is_flag=True, help="Skip the INT4 GEMM table (every tile shape at M = 512 and 2048).")

@@ -140,7 +140,7 @@ def test_a_share_above_the_copy_roofline_is_flagged_and_the_context_sweep_render
 
 def test_sweep_points_past_the_models_context_are_dropped():
     settings = BenchSettings(synthetic="7b").fitting(2048)
-    assert settings.contexts == (512,) and settings.prefill_lengths == (128, 512)
+    assert settings.contexts == (512,) and settings.prefill_lengths == (16, 128, 512)
     assert settings.max_context <= 2048
 
 
