@@ -307,6 +307,15 @@ def test_encode_cached_is_encode_token_for_token(tokenizer, parts):
         assert tok.encode_cached(text) == expected  # now from the cache
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG]), max_size=14))
+def test_encode_is_the_librarys_encode_without_offsets(tokenizer, parts):
+    """Tokenizer.encode runs `encode_batch_fast` on one text for speed; its ids must be `encode`'s."""
+    text = "".join(parts)
+    for tok in (tokenizer, EMBEDDED_TOKENIZER):
+        assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+
+
 def test_encode_cached_keeps_a_bounded_number_of_runs():
     tok = embedded_tokenizer()
     for i in range(Tokenizer.SEGMENT_CACHE_ENTRIES + 10):
