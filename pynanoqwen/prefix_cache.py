@@ -41,6 +41,8 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from .prompt_lookup import LookupParams
 from .sampling import SamplingParams
 
@@ -134,6 +136,7 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}
         self._pins: collections.Counter[int] = collections.Counter()
         self.stats = CacheStats()
+        self._last_prompt: tuple[np.ndarray, list[bytes]] = (np.zeros(0, np.int64), [])  # ids, page keys
 
     @classmethod
     def for_backend(cls, backend: PagedBackend) -> PrefixCache:
@@ -153,7 +156,7 @@ class PrefixCache:
         if not len(prompt_ids) <= total_tokens or needed > self.num_pages:
             raise ValueError(f"a request of {total_tokens} positions ({len(prompt_ids)} in the prompt) "
                              f"does not fit {self.num_pages} pages of {size}")
-        keys = page_keys(prompt_ids, len(prompt_ids) // size, size)
+        keys = self._prompt_keys(prompt_ids)
         reused: list[int] = []
         for key in keys[:max(0, len(prompt_ids) - self.min_prefill) // size] if reuse else ():
             page = self._cached.get(key)
@@ -178,6 +181,20 @@ class PrefixCache:
         self.stats.prompt_tokens += len(prompt_ids)
         self.stats.hit_tokens += len(reused) * size
         return PageLease(reused, allocatable, size, keys)
+
+    def _prompt_keys(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        """page_keys of the prompt's full pages. Those of the pages it shares with the last leased
+        prompt come from that lease: an editor's requests differ in their last pages only, and
+        hashing a 4000-token prompt's 250 pages cost its lease 0.19 of 0.27 ms on the 2-core VM."""
+        size = self.page_size
+        ids = np.frombuffer(array("q", prompt_ids), np.int64)
+        last_ids, last_keys = self._last_prompt
+        n = min(len(ids), len(last_keys) * size)
+        differ = np.flatnonzero(ids[:n] != last_ids[:n])
+        same_pages = int(differ[0] if differ.size else n) // size
+        keys = page_keys(prompt_ids, len(ids) // size, size, last_keys[:same_pages])
+        self._last_prompt = (ids, keys)
+        return keys
 
     def commit(self, lease: PageLease, sequence: Sequence[int]) -> None:
         """Take back the lease's pages after its request ended; `sequence` is prompt + generated

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pynanoqwen.cpu_pages import PagedCpuBackend
 from pynanoqwen.data import EMBEDDED_MODEL
@@ -88,6 +90,20 @@ def test_only_reusable_pages_are_kept_and_overwritten_ones_are_forgotten():
     short = run(cache, list(range(9)), [], written=5)  # cancelled after 5 positions
     assert short.written == 5 and cache.cached_pages == 2
     assert page_keys(list(range(8)), 2, P) == short.keys[:2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=23), min_size=1, max_size=6))
+def test_a_lease_keys_every_prompt_as_if_it_came_alone(prompts):
+    """lease() takes the keys of the pages a prompt shares with the last leased one from that lease;
+    whatever came before, the keys are those of the prompt's own chain (ids 0..3 make prompts that
+    share prefixes of every length)."""
+    cache = PrefixCache(num_pages=64, page_size=P)
+    for prompt in prompts:
+        lease = cache.lease(prompt, len(prompt) + 1)
+        assert lease.keys == page_keys(prompt, len(prompt) // P, P)
+        lease.written = lease.reusable = len(prompt)
+        cache.commit(lease, prompt)
 
 
 def test_the_same_prefix_computed_twice_keeps_one_page():
