@@ -17,9 +17,9 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   larger than the L2 so that every call reads HBM.
 - Prefill sweep: TTFT of prompts of 16, 128, 512, 2048, 8192 and 32000 tokens (the longer ones run
   in chunks of 2048; 16 is the largest chunk on the SMALL mma.sync tiles, and about the rows of a
-  prompt-lookup verify pass), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the linears at every
-  row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s the H200 reaches
-  in dense bf16 (PEAK_TFLOPS).
+  prompt-lookup verify pass), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the
+  linears at every row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s
+  the H200 reaches in dense bf16 (PEAK_TFLOPS).
 - Prefix cache: TTFT of a 4006-token prompt whose first 3990 tokens an earlier request left in the
   prefix cache (an editor's /infill after one edited line), as serve's engine runs it but without
   HTTP, next to a prompt of only the tokens it computed (`prefix_cache_ttft`).
