@@ -12,10 +12,10 @@
    matter for a random-weight model, most of whose ids have no text in its small tokenizer.
    TTFT and ITL are medians; the overhead is server minus direct. Every repeat's prompt starts
    with another line, so no run reuses another's KV pages, and both paths prefill every token.
-   The server's TTFT is split where the server stamps it: from the route's entry to the engine's
-   first token (/metrics' TTFT histogram, read between requests) and from the job's start to it
-   (the last event's timings.prompt_ms); the direct run's page lease, which its timer leaves out
-   and the server's job includes, is timed on its own.
+   The server's TTFT is split where the server stamps it (/metrics' histograms, read between
+   requests): from the route's entry to the engine starting the job, and to the engine's first
+   token; and from the job's start to that token (the last event's timings.prompt_ms). The direct
+   run's page lease, which its timer leaves out and the server's job includes, is timed on its own.
 2. Prefix cache. An /infill with ~`context_tokens` of repository context, sent once, then again
    `repeats` times with only the current line (`prompt`, at the end) changed: TTFT of those, the
    prompt tokens the server actually computed (timings.prompt_n), and the same request with
@@ -109,15 +109,18 @@ def overhead_times(direct: Direct, http, tokenizer, prompts, gen_tokens) -> tupl
     and the server's TTFT in its phases (module docstring), ms; the first prompt warms both up and
     is not counted."""
     times = {"direct": ([], []), "server": ([], [])}
-    phases = {"route_to_first_token": [], "job_to_first_token": [], "direct_lease": []}
+    phases = {"route_to_job_start": [], "route_to_first_token": [], "job_to_first_token": [], "direct_lease": []}
+    histograms = {"route_to_job_start": "pynanoqwen_time_to_start_seconds",
+                  "route_to_first_token": "pynanoqwen_time_to_first_token_seconds"}
     for i, prefix in enumerate(prompts):
         ids = tokenizer.encode(infill_prompt(prefix, "", (), ""))  # what the server makes of the request
-        before = histogram_sum(http, "pynanoqwen_time_to_first_token_seconds")
+        before = {phase: histogram_sum(http, name) for phase, name in histograms.items()}
         server_stamps, last = streamed(http, "/infill", infill_body(prefix, gen_tokens))
-        route = histogram_sum(http, "pynanoqwen_time_to_first_token_seconds") - before
+        after = {phase: histogram_sum(http, name) for phase, name in histograms.items()}
         runs = {"direct": direct.stamps(ids, gen_tokens), "server": server_stamps[:-1]}  # last: the summary
         if i:
-            phases["route_to_first_token"].append(1000 * route)
+            for phase in histograms:
+                phases[phase].append(1000 * (after[phase] - before[phase]))
             phases["job_to_first_token"].append(last["timings"]["prompt_ms"])
             phases["direct_lease"].append(1000 * direct.lease_s)
         for side, stamps in runs.items():
@@ -245,9 +248,9 @@ def main(argv=None) -> dict:
     result["overhead"] = {key: result["server"][key] - result["direct"][key] for key in ("ttft_ms", "itl_ms")}
     rows = [("TTFT, direct / server / overhead (ms)", f"{result['direct']['ttft_ms']:.3f} / "
              f"{result['server']['ttft_ms']:.3f} / {result['overhead']['ttft_ms']:.3f}"),
-            ("server TTFT: route to first token / job to first token; direct's lease (ms)",
-             f"{phases['route_to_first_token']:.3f} / {phases['job_to_first_token']:.3f}; "
-             f"{phases['direct_lease']:.3f}"),
+            ("server TTFT: route to job start / to first token; job start to first token; direct's lease (ms)",
+             f"{phases['route_to_job_start']:.3f} / {phases['route_to_first_token']:.3f}; "
+             f"{phases['job_to_first_token']:.3f}; {phases['direct_lease']:.3f}"),
             ("ITL, direct / server / overhead (ms)", f"{result['direct']['itl_ms']:.4f} / "
              f"{result['server']['itl_ms']:.4f} / {result['overhead']['itl_ms']:.4f}"),
             (f"/infill TTFT, {infill['prompt_tokens']} prompt tokens, {infill['computed_tokens']:.0f} computed (ms)",

@@ -193,6 +193,8 @@ def test_models_health_metrics_and_the_published_schema(server, client, http):
     text = http.get("/metrics").text
     assert metric(text, "pynanoqwen_requests_total", endpoint="/v1/completions", status="200") >= 1
     assert metric(text, "pynanoqwen_time_to_first_token_seconds_count") >= 1
+    assert metric(text, "pynanoqwen_time_to_start_seconds_count") >= 1
+    assert metric(text, "pynanoqwen_time_to_start_seconds_sum") > 0
     assert metric(text, "pynanoqwen_inter_token_latency_seconds_count") >= 1
     assert metric(text, "pynanoqwen_generated_tokens_total") >= 1
 

@@ -28,6 +28,7 @@ def test_the_server_bench_measures_all_three_figures(tmp_path, capsys):
     # The server's stamps nest: the client sends before the route starts, which is before the job starts.
     phases = result["server_ttft_phases_ms"]
     assert result["server"]["ttft_ms"] > phases["route_to_first_token"] > phases["job_to_first_token"] > 0
+    assert phases["route_to_first_token"] > phases["route_to_job_start"] > 0
     assert phases["direct_lease"] > 0
     infill = result["infill_prefix_cache"]
     assert infill["prompt_tokens"] >= 140 and 0 < infill["computed_tokens"] < infill["prompt_tokens"] - 100

@@ -2,6 +2,7 @@
 
 Latencies are measured in the engine's worker thread: time to first token from the moment the
 route took the request (so it includes reading, checking and tokenizing it, the queue and the
+prefill), time to start from that moment to the engine taking the job up (the same less the
 prefill), inter-token latency between
 consecutive tokens of one generation, cancellation latency from the cancel (a client gone, or a
 newer /infill) to the engine being free. The prefix-cache figures are read from the cache's own
@@ -53,6 +54,9 @@ class Metrics:
         self.time_to_first_token = Histogram("pynanoqwen_time_to_first_token_seconds",
                                              "From a request's arrival to its first generated token",
                                              buckets=TTFT_BUCKETS, registry=registry)
+        self.time_to_start = Histogram("pynanoqwen_time_to_start_seconds",
+                                       "From a request's arrival to the engine starting it (reading, checking and "
+                                       "tokenizing it, then the queue)", buckets=TTFT_BUCKETS, registry=registry)
         self.inter_token_latency = Histogram("pynanoqwen_inter_token_latency_seconds",
                                              "Between consecutive tokens of a generation", buckets=ITL_BUCKETS,
                                              registry=registry)

@@ -210,6 +210,7 @@ class Scheduler:
         start = time.perf_counter()
         if job.cancelled:  # between leaving the queue and starting
             return Done("cancelled", "", len(request.prompt_ids), 0, 0, (), 0.0, 0.0, cancel_reason=job.cancel_reason)
+        metrics.time_to_start.observe(start - job.arrival)
         decoder = self.tokenizer.stream_decoder()
         stops = TextStops(request.stop, request.n_indent)
         generated: list[int] = []
