@@ -179,20 +179,26 @@ def test_fixed16_gaussian_activations_within_rounding_bound(outliers):
     assert np.all(np.abs(y - expected) <= bound)
 
 
-def test_fixed16_fused_rmsnorm_gaussian_within_bound():
-    """Gaussian h, eps 1e-6: against float64 RMSNorm then W xn. xn stays float32 until it is
-    quantized, so its error is the float32 steps' (< 8 u32 relative), passed to the oracle as
-    input_error."""
+def gaussian_fused_rmsnorm_run(path):
+    """A 16 x 1152 GEMV with a fused RMSNorm (eps 1e-6) of Gaussian h on `path`: (qweight, scales,
+    w float64, xn = float64 RMSNorm(h) * weight, the kernel's output)."""
     rng = np.random.default_rng()
     n, k, eps = 16, 1152, 1e-6
-    qweight, scales, _ = random_linear(rng, n, k)
+    qweight, scales, w = random_linear(rng, n, k)
     h = (3.0 * rng.standard_normal(k)).astype(np.float32)
     weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
     h64 = h.astype(np.float64)
     xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
-    gemv = make_gemv_int4(n, k, qweight, scales, path="fixed16", plan=GemvPlan(rows=2), norm_weight=weight,
+    gemv = make_gemv_int4(n, k, qweight, scales, path=path, plan=GemvPlan(rows=2), norm_weight=weight,
                           norm_eps=eps)
-    y = run(gemv, h, np.full(n, np.nan, np.float32))
+    return qweight, scales, w, xn, run(gemv, h, np.full(n, np.nan, np.float32))
+
+
+def test_fixed16_fused_rmsnorm_gaussian_within_bound():
+    """Gaussian h, eps 1e-6: against float64 RMSNorm then W xn. xn stays float32 until it is
+    quantized, so its error is the float32 steps' (< 8 u32 relative), passed to the oracle as
+    input_error."""
+    qweight, scales, _, xn, y = gaussian_fused_rmsnorm_run("fixed16")
     expected, bound = gemv_oracle(qweight, scales, xn, "fixed16", input_error=8 * U32 * np.abs(xn))
     assert np.all(np.abs(y - expected) <= bound)
 
@@ -272,16 +278,8 @@ def test_prmt_fused_rmsnorm_gaussian_within_bound():
     and its FP16 rounding (u16) per input, times |s w|; then test_prmt_gaussian's FP16
     accumulation bound and the float32 bound, both over |xn|.
     """
-    rng = np.random.default_rng()
-    n, k, eps = 16, 1152, 1e-6
-    qweight, scales, w = random_linear(rng, n, k)
-    h = (3.0 * rng.standard_normal(k)).astype(np.float32)
-    weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
-    h64 = h.astype(np.float64)
-    xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
-    gemv = make_gemv_int4(n, k, qweight, scales, path="prmt", plan=GemvPlan(rows=2), norm_weight=weight,
-                          norm_eps=eps)
-    y = run(gemv, h, np.full(n, np.nan, np.float32))
+    _, _, w, xn, y = gaussian_fused_rmsnorm_run("prmt")
+    k = len(xn)
     magnitude = np.abs(w) @ np.abs(xn)
     bound = (U16 + 8 * U32) * magnitude + 16 * U16 * (1 + U16) * magnitude + float32_bound(w, xn, k)
     assert np.all(np.abs(y - w @ xn) <= bound)
