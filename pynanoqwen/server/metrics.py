@@ -1,12 +1,14 @@
 """What /metrics reports, in Prometheus' text format (prometheus_client), one registry per server.
 
-Latencies are measured in the engine's worker thread: time to first token from the moment the
-route took the request (so it includes reading, checking and tokenizing it, the queue and the
-prefill), time to start from that moment to the engine taking the job up (the same less the
-prefill), inter-token latency between
-consecutive tokens of one generation, cancellation latency from the cancel (a client gone, or a
-newer /infill) to the engine being free. The prefix-cache figures are read from the cache's own
-counters when scraped; hit rate = prompt tokens served from cached pages / prompt tokens.
+Latencies are measured in the engine's worker thread:
+- time to first token, from the moment the route took the request (so it includes reading,
+  checking and tokenizing it, the queue and the prefill);
+- time to start, from that moment to the engine taking the job up (the same less the prefill);
+- inter-token latency, between consecutive tokens of one generation;
+- cancellation latency, from the cancel (a client gone, or a newer /infill) to the engine being free.
+
+The prefix-cache figures are read from the cache's own counters when scraped; hit rate = prompt
+tokens served from cached pages / prompt tokens.
 """
 
 from __future__ import annotations
