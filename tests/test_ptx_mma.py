@@ -6,12 +6,13 @@ random inputs every run. (tests/sim/test_gemm_sim.py runs the same twins inside 
 
 import numpy as np
 import pytest
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from pynanoqwen.ptx.mma import (SHARED_ALIGNMENT, cp_async_16, cp_async_16_simulated, cp_async_commit_group,
                                 cp_async_commit_group_simulated, cp_async_wait_group, cp_async_wait_group_simulated,
                                 ld_shared_v4_u32, ld_shared_v4_u32_simulated, ldmatrix_x4, ldmatrix_x4_trans,
-                                ldmatrix_x4_warp, mma_m16n8k16, mma_m16n8k16_warp)
+                                ldmatrix_x4_warp, mma_m16n8k16, mma_m16n8k16_warp, mma_m16n8k32_bytes_warp,
+                                mma_m16n8k32_s8u8, mma_m16n8k32_u8u8)
 
 
 def use_tensor_core_primitives(src, out):
@@ -73,6 +74,50 @@ def test_mma_twin_is_the_fragment_matrix_product():
             assert result == (expected[g, 2 * t], expected[g, 2 * t + 1], expected[g + 8, 2 * t],
                               expected[g + 8, 2 * t + 1])
             assert all(isinstance(v, np.float32) for v in result)
+
+
+def use_byte_mma(words, out):
+    lane = cuda.threadIdx.x
+    d0, d1, d2, d3 = mma_m16n8k32_u8u8(words[0], words[1], words[2], words[3], words[4], words[5], int32(lane),
+                                       int32(0), int32(0), int32(0))
+    e0, e1, e2, e3 = mma_m16n8k32_s8u8(words[0], words[1], words[2], words[3], words[4], words[5], d0, d1, d2, d3)
+    out[lane] = e0 + e1 + e2 + e3
+
+
+def test_byte_mma_compiles_and_assembles_for_sm90():
+    from test_kernels_compile import assemble_sm90
+
+    ptx, _ = cuda.compile_ptx(use_byte_mma, "void(uint32[::1], int32[::1])", cc=(9, 0))
+    code = [line.split("//")[0].strip() for line in ptx.splitlines()]
+    for atype in ("u8", "s8"):
+        assert sum(line.startswith(f"mma.sync.aligned.m16n8k32.row.col.s32.{atype}.u8.s32") for line in code) == 1
+    assert "error" not in assemble_sm90(ptx).lower()
+
+
+def byte_word(values) -> int:
+    return int(np.array(values, dtype=np.int64).astype(np.uint8).view(np.uint32)[0])
+
+
+@pytest.mark.parametrize("signed_a", [False, True])
+def test_byte_mma_twin_is_the_exact_fragment_product(signed_a):
+    """Fragments laid out from the PTX ISA's table for mma.m16n8k32 with integer type."""
+    rng = np.random.default_rng()
+    a = rng.integers(-128, 128, (16, 32)) if signed_a else rng.integers(0, 256, (16, 32))
+    b = rng.integers(0, 256, (32, 8))
+    c = rng.integers(-2**20, 2**20, (16, 8))
+    lanes = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        k = 4 * t
+        lanes.append((byte_word(a[g, k:k + 4]), byte_word(a[g + 8, k:k + 4]), byte_word(a[g, k + 16:k + 20]),
+                      byte_word(a[g + 8, k + 16:k + 20]), byte_word(b[k:k + 4, g]), byte_word(b[k + 16:k + 20, g]),
+                      c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]))
+    d = mma_m16n8k32_bytes_warp(lanes, signed_a)
+    expected = a @ b + c
+    for lane, result in enumerate(d):
+        g, t = lane // 4, lane % 4
+        assert tuple(int(v) for v in result) == (expected[g, 2 * t], expected[g, 2 * t + 1], expected[g + 8, 2 * t],
+                                                 expected[g + 8, 2 * t + 1])
 
 
 def test_ldmatrix_twin_hands_out_mma_fragments():

@@ -14,6 +14,15 @@ in its simulator twin. One intrinsic per instruction:
             b0 = B[2t:2t+2, g]    b1 = B[2t+8:2t+10, g]                        (B stored column by column)
             c0, c1 = C[g, 2t], C[g, 2t+1]                 c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
         and the four returned floats are D at the positions of c0..c3.
+    mma_m16n8k32_u8u8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), mma_m16n8k32_s8u8(...)
+        mma.sync.aligned.m16n8k32.row.col.s32.{u8,s8}.u8.s32 (the same section, "Matrix Fragments
+        for mma.m16n8k32" with integer type): D = A B + C for a 16x32 A of unsigned (u8u8) or
+        signed (s8u8) bytes, a 32x8 B of unsigned bytes and int32 C, D. Integer products and sums
+        are exact (wrapping only past 2^31). A register holds four bytes, the lowest first:
+            a0 = A[g, 4t:4t+4]    a1 = A[g+8, 4t:4t+4]    a2 = A[g, 4t+16:4t+20]   a3 = A[g+8, 4t+16:4t+20]
+            b0 = B[4t:4t+4, g]    b1 = B[4t+16:4t+20, g]
+            c0, c1 = C[g, 2t], C[g, 2t+1]                 c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+        and the four returned int32 are D at the positions of c0..c3.
     ldmatrix_x4(tile, index), ldmatrix_x4_trans(tile, index)
         ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (PTX ISA, Data Movement and Conversion
         Instructions: ldmatrix). Four 8x8 FP16 matrices from shared memory, distributed so that
@@ -108,6 +117,39 @@ def mma_m16n8k16_warp(lanes: list) -> list:
         c[_G, col], c[_G + 8, col] = c_values[:, half], c_values[:, 2 + half]
     d = (a @ b + c).astype(np.float32)
     return [(d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) for g, t in zip(_G, _T)]
+
+
+def mma_m16n8k32_bytes_warp(lanes: list, signed_a: bool) -> list:
+    """What mma.m16n8k32 with byte operands computes for a whole warp: lanes[L] = (a0, a1, a2, a3,
+    b0, b1, c0, c1, c2, c3) of lane L -> [(d0, d1, d2, d3) of each lane], D = A B + C in exact
+    integers (A's bytes signed when signed_a, B's unsigned), wrapped to int32."""
+    a_bytes = np.array([lane[0:4] for lane in lanes], dtype=np.uint32).view(np.int8 if signed_a else np.uint8)
+    b_bytes = np.array([lane[4:6] for lane in lanes], dtype=np.uint32).view(np.uint8)
+    a_bytes, b_bytes = a_bytes.reshape(32, 4, 4).astype(np.int64), b_bytes.reshape(32, 2, 4).astype(np.int64)
+    a, b = np.zeros((16, 32), np.int64), np.zeros((32, 8), np.int64)
+    c = np.array([lane[6:10] for lane in lanes], dtype=np.int64)
+    for i in range(4):
+        col = 4 * _T + i
+        a[_G, col], a[_G + 8, col] = a_bytes[:, 0, i], a_bytes[:, 1, i]
+        a[_G, col + 16], a[_G + 8, col + 16] = a_bytes[:, 2, i], a_bytes[:, 3, i]
+        b[col, _G], b[col + 16, _G] = b_bytes[:, 0, i], b_bytes[:, 1, i]
+    d = a @ b
+    d[_G, 2 * _T] += c[:, 0]
+    d[_G, 2 * _T + 1] += c[:, 1]
+    d[_G + 8, 2 * _T] += c[:, 2]
+    d[_G + 8, 2 * _T + 1] += c[:, 3]
+    d = d.astype(np.int32)  # wraps as the hardware's 32-bit sums do
+    return [(d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]) for g, t in zip(_G, _T)]
+
+
+def mma_m16n8k32_u8u8_simulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return cooperate("mma.sync.u8u8", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3),
+                     lambda lanes: mma_m16n8k32_bytes_warp(lanes, signed_a=False))
+
+
+def mma_m16n8k32_s8u8_simulated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return cooperate("mma.sync.s8u8", (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3),
+                     lambda lanes: mma_m16n8k32_bytes_warp(lanes, signed_a=True))
 
 
 def _row_halves(row) -> np.ndarray:
@@ -248,6 +290,44 @@ def mma_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(d, i) for i in range(4)])
 
     return _F32x4(*words, *floats), codegen
+
+
+_I32x4 = types.UniTuple(types.int32, 4)
+
+
+def _mma_bytes(atype: str):
+    """The intrinsic mma.m16n8k32 .s32.`atype`.u8.s32 (module docstring)."""
+    text = (f"mma.sync.aligned.m16n8k32.row.col.s32.{atype}.u8.s32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+    def typer(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        if not all(isinstance(v, types.Integer) for v in (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            registers = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+            sums = [context.cast(builder, v, t, types.int32) for v, t in zip(args[6:], sig.args[6:])]
+            asm = ir.InlineAsm(ir.FunctionType(_QUAD, [_I32] * 10), text, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
+            return _unpack_quad(context, builder, sig, builder.call(asm, registers + sums))
+
+        return _I32x4(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
+    return typer
+
+
+@simulator_twin(mma_m16n8k32_u8u8_simulated)
+@intrinsic
+def mma_m16n8k32_u8u8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """(d0, d1, d2, d3) int32: this lane's part of D = A B + C for the warp's 16x32x8 product of
+    unsigned bytes, laid out as in the module docstring. `mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32`."""
+    return _mma_bytes("u8")(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+@simulator_twin(mma_m16n8k32_s8u8_simulated)
+@intrinsic
+def mma_m16n8k32_s8u8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """As mma_m16n8k32_u8u8 with A's bytes signed. `mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32`."""
+    return _mma_bytes("s8")(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
 
 def _ldmatrix(trans: bool):
