@@ -245,6 +245,26 @@ ONES = U(0x01010101)  # dp4a against it sums four bytes
 OFFSET_WORD, SCALE_WORD = 16, 17  # a chunk's -8 sum(v) and float32 scale, after its 16 byte words
 
 
+@cuda.jit(device=True, inline="always")
+def fixed16_quad(values, first, inverse):
+    """One quad of x (values[first .. first + 7], float32) as the fixed16 path stages it: v =
+    round(x * inverse) as 16-bit integers in its four words (the low bytes of v at the inputs of
+    weights 0, 1, 4, 5 of a weight word, their high bytes, the same for 2, 3, 6, 7), and sum v.
+    fma(x, inverse, ROUNDER) rounds x * inverse to an integer once, into the low bits of a float
+    whose bytes 0-1 are v as an int16; the sum comes from the packed bytes by dp4a against ones.
+    dev/gemv_group.py stages its groups with it too."""
+    bits = cuda.local.array(8, uint32)
+    for e in range(8):
+        bits[e] = float_bits(cuda.fma(values[first + e], inverse, ROUNDER))
+    a0, a1 = prmt(bits[0], bits[1], PAIR_BYTES), prmt(bits[4], bits[5], PAIR_BYTES)
+    b0, b1 = prmt(bits[2], bits[3], PAIR_BYTES), prmt(bits[6], bits[7], PAIR_BYTES)
+    a_low, a_high = prmt(a0, a1, LOW_BYTES), prmt(a0, a1, HIGH_BYTES)
+    b_low, b_high = prmt(b0, b1, LOW_BYTES), prmt(b0, b1, HIGH_BYTES)
+    total = dp4a_uu(a_low, ONES, dp4a_uu(b_low, ONES, 0))
+    total = int32(total + int32(256) * dp4a_us(ONES, a_high, dp4a_us(ONES, b_high, 0)))
+    return a_low, a_high, b_low, b_high, total
+
+
 @functools.cache
 def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None) -> GemvPath:
     """The fixed16 path; with norm_eps, x is RMSNorm(h) * weight, computed while staging."""
@@ -257,10 +277,7 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
     def quantize_and_store(values, t, xs):
         # Thread t holds quads q = t + j threads (values[8 j ..]); the 4 quads of a chunk sit in 4
         # neighbouring lanes, which share the chunk's largest |x| and sum through 2 shuffles. Every
-        # lane takes part (a lane past the end holds zeros and stores nothing). fma(x, inverse,
-        # ROUNDER) rounds x * inverse to an integer v once, into the low bits of a float whose bytes
-        # 0-1 are v as an int16; the sum of v comes from the packed bytes by dp4a against ones.
-        bits = cuda.local.array(8, uint32)
+        # lane takes part (a lane past the end holds zeros and stores nothing).
         for j in range(quads_per_thread):
             q = t + U(j * threads)
             largest = float32(0)
@@ -269,14 +286,7 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
             largest = max(largest, shfl_xor(largest, 1))
             largest = max(largest, shfl_xor(largest, 2))
             inverse = float32(FIXED_MAX) / largest if largest > float32(0) else float32(0)
-            for e in range(8):
-                bits[e] = float_bits(cuda.fma(values[8 * j + e], inverse, ROUNDER))
-            a0, a1 = prmt(bits[0], bits[1], PAIR_BYTES), prmt(bits[4], bits[5], PAIR_BYTES)
-            b0, b1 = prmt(bits[2], bits[3], PAIR_BYTES), prmt(bits[6], bits[7], PAIR_BYTES)
-            a_low, a_high = prmt(a0, a1, LOW_BYTES), prmt(a0, a1, HIGH_BYTES)
-            b_low, b_high = prmt(b0, b1, LOW_BYTES), prmt(b0, b1, HIGH_BYTES)
-            total = dp4a_uu(a_low, ONES, dp4a_uu(b_low, ONES, 0))
-            total = int32(total + int32(256) * dp4a_us(ONES, a_high, dp4a_us(ONES, b_high, 0)))
+            a_low, a_high, b_low, b_high, total = fixed16_quad(values, 8 * j, inverse)
             total = int32(total + shfl_xor(total, 1))
             total = int32(total + shfl_xor(total, 2))
             if q < quads:
