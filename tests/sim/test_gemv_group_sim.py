@@ -1,0 +1,52 @@
+"""dev/gemv_group.py (lanes owning weight groups) under the simulator at tiny sizes, on fresh random
+inputs: against float64 of the activations as it stages them (staged_activations: only float32
+rounding remains, so a layout, unpack or row-parking mistake shows), against float64 of x itself
+(group_bound), and bit for bit run to run.
+
+Shapes: K = 512 (4 units a row, one step whatever R) and K = 1536 (12 units a row: at R = 8 a lane's
+three units of a tile lie in three rows, which exercises parking), N = 32 on one or two warps, so a
+warp computes several tiles. The float32 bound (derived in group_bound): at most K/32 + 8
+roundings of u32 sum |w x|.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from gemv_group import GroupGemv, Setting, group_bound, staged_activations
+from pynanoqwen.oracles import U32
+from pynanoqwen.ptx import SIMULATOR
+from pynanoqwen.quant import dequantize_int4, quantize_int4
+
+assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_simulator.py)"
+
+N = 32
+
+
+@pytest.mark.parametrize("k, setting, grid", [
+    (512, Setting(rows=1, warps=2, blocks_per_sm=1, depth=4), 1),
+    (512, Setting(rows=8, warps=1, blocks_per_sm=1, depth=2), 2),
+    (1536, Setting(rows=8, warps=1, blocks_per_sm=1, depth=3), 1),
+    (1536, Setting(rows=2, warps=2, blocks_per_sm=1, depth=1), 2),
+])
+def test_group_gemv_matches_float64(k, setting, grid):
+    rng = np.random.default_rng()
+    qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
+    w = dequantize_int4(qweight, scales, np.float64)
+    # Groups of very different magnitudes: a scale per group has to be per group.
+    x = (rng.standard_normal(k) * np.repeat(rng.uniform(0.01, 4, k // 128), 128)).astype(np.float16)
+    h = rng.standard_normal(N).astype(np.float32)
+    gemv = GroupGemv(N, k, qweight, scales, grid, setting)
+    outs = []
+    for _ in range(2):
+        out = cuda.to_device(h)
+        gemv.launch(0, cuda.to_device(x), out)
+        outs.append(out.copy_to_host().astype(np.float64) - h)  # the residual add rounds once more
+    assert np.array_equal(outs[0], outs[1])
+    got = outs[0]
+    staged = staged_activations(x)
+    exact = w @ staged
+    float_bound = (k // 32 + 9) * U32 * (np.abs(w) @ np.abs(staged) + np.abs(h))
+    assert np.all(np.abs(got - exact) <= float_bound), np.max(np.abs(got - exact) / float_bound)
+    expected, bound = group_bound(qweight, scales, x)
+    assert np.all(np.abs(got - expected) <= bound + U32 * np.abs(h) * 2)
