@@ -18,6 +18,8 @@ import gemm_mma_sync_large
 import gemm_small_vs_wgmma
 import gemm_wgmma_split_k
 import gemv_bulk_ring
+import gemv_group
+import gemv_group_verify
 import gemv_mma
 import megakernel_gemv_chain
 import mlp_fused
@@ -26,12 +28,14 @@ from harness import print_table
 from test_kernels_compile import assemble_sm90
 
 VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_small_vs_wgmma, unfused_norm, attention_cluster_merge,
-            attention_one_fence, attention_swizzled_ring, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain]
+            attention_one_fence, attention_swizzled_ring, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain,
+            gemv_group, gemv_group_verify]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
            + attention_swizzled_ring.compile_targets()
            + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets()
-           + megakernel_gemv_chain.compile_targets())
+           + megakernel_gemv_chain.compile_targets() + gemv_group.compile_targets()
+           + gemv_group_verify.compile_targets())
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
