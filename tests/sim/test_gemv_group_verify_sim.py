@@ -1,10 +1,9 @@
 """dev/gemv_group_verify.py under the simulator: the verify GEMV of T tokens gives every token's row
-bit for bit what dev/gemv_group.py's decode GEMV gives that token alone, on fresh random inputs,
-for the decode orders it replays (tiles of 1, 2 and 8 rows; at K = 1536 a decode lane sums three
-groups of a row at R = 1, so the replayed FMA chains are longer than one), token counts from 1
-to the mma's 16, weight pipelines 1 to 4 groups deep (slots that run into the next tile), and
-warps that own several tiles. Equality, not a bound: lossless prompt lookup
-needs the same bits (docs/SPECULATIVE.md)."""
+bit for bit what dev/gemv_group.py's decode GEMV (one row a tile) gives that token alone, on fresh
+random inputs: K of 4, 12 and 32 groups (so 28, 20 and no decode lanes without a group, whose zero
+leaves the butterfly must still place), token counts from 1 to the mma's 16, weight pipelines 1 to
+4 groups deep (slots that run into the next tile), and warps that own several tiles. Equality,
+not a bound: lossless prompt lookup needs the same bits (docs/SPECULATIVE.md)."""
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from numba import cuda
 
 from gemv_group import GroupGemv
 from gemv_group import Setting as DecodeSetting
-from gemv_group_verify import GroupVerify, Setting
+from gemv_group_verify import GroupVerify, Setting, leaf_order
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.quant import quantize_int4
 
@@ -21,26 +20,32 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 N = 32
 
 
-@pytest.mark.parametrize("k, decode_rows, tokens, warps, depth, grid", [
-    (512, 1, 1, 1, 4, 1),
-    (512, 8, 9, 2, 2, 1),
-    (1536, 1, 16, 1, 3, 2),
-    (1536, 2, 3, 2, 4, 2),
-    (1536, 8, 9, 1, 1, 1),
+def test_leaves_follow_the_butterfly():
+    """Leaf order: lanes 0, 16, 8, 24, ... (bit-reversed), those that own a group."""
+    assert list(leaf_order(32)[:8]) == [0, 16, 8, 24, 4, 20, 12, 28]
+    assert sorted(leaf_order(28)) == list(range(28))
+
+
+@pytest.mark.parametrize("k, tokens, warps, depth, grid", [
+    (512, 1, 1, 4, 1),
+    (512, 9, 2, 2, 1),
+    (1536, 16, 1, 3, 2),
+    (1536, 3, 2, 4, 2),
+    (4096, 9, 1, 1, 1),
 ])
-def test_verify_rows_are_the_decode_gemv_bits(k, decode_rows, tokens, warps, depth, grid):
+def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, grid):
     rng = np.random.default_rng()
     qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
     x = (rng.standard_normal((tokens, k)) * np.repeat(rng.uniform(0.01, 4, (tokens, k // 128)), 128, 1)).astype(
         np.float16)
     h = rng.standard_normal((tokens, N)).astype(np.float32)
-    decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(decode_rows, 1, 1, 2))
+    decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2))
     alone = []
     for m in range(tokens):
         out = cuda.to_device(h[m])
         decode.launch(0, cuda.to_device(x[m]), out)
         alone.append(out.copy_to_host())
-    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(decode_rows, warps, depth))
+    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth))
     out = cuda.to_device(h)
     verify.launch(0, cuda.to_device(x), out)
     got = out.copy_to_host()
