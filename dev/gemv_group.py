@@ -12,8 +12,10 @@ Why. Two reasons, one for decode and one for prompt lookup's verify pass (docs/S
   PTX (`compile_ptx`, the multiply of one unit at o_proj R2): 182 instructions for 128 weights, 33
   of them shared-address arithmetic (add.s64 + cvt per ld.shared.v4, which ptxas can fold into
   the loads' offsets), against 79 for two rows of one chunk in fixed16's loop, 158 for 128
-  weights. So no fewer instructions a weight as it stands; a unit of two rows would share the x
-  loads again (~1.0 a weight by the same count; not built).
+  weights. A unit of two neighbouring rows (`unit_rows` P = 2) reads each x record once for both:
+  287 PTX for 256 weights (128 dp4a, 96 for the unpack, 18 loads, ~40 address and float), ~1.12 a
+  weight before the weight loads, against fixed16's ~1.23 with its loads: a few per cent, not a
+  decode speedup by count; the floor of any dp4a form is 0.875 (4 dp4a and 3 unpack per 8).
 - Verify. A lossless verify pass must give each token's row the bits of a decode step
   (docs/SPECULATIVE.md). With the float work once a group, a verify kernel that sums a group's 128
   inputs for up to 16 tokens in one integer mma chain (exact) has one convert and FMA per group,
@@ -34,19 +36,20 @@ kernel replaying it gets the same instruction whatever the compiler contracts.
 Error against x itself: |v s_G - x| <= s_G / 2 + 2^-22 |x| (fixed16's derivation), with s_G over
 128 inputs instead of 32 (group_bound).
 
-Work split. A tile is R consecutive rows; since rows are contiguous in qweight, a tile is a flat
-run of R * K/128 units of 64 bytes (and its scales a flat run of as many float16). Lane L of a warp
-takes units L, L + 32, ... of its tile (item = one step of 32 units, 2 KiB for the warp), so a
-lane's units may lie in different rows: it keeps one float accumulator for the row it is in and
-parks it in shared memory (its own column of the warp's partials [R][32], no other lane reads it)
-when its next unit is in a later row. At the tile's end the R rows' 32 partials meet in warp_sum's
-butterfly (lane r stores row r). Warps own whole tiles, w, w + W, ... (W warps in the grid), as
-the product's whole-tile plans do. At K = 3584 a row is 28 units: R = 8 fills 7 steps exactly, R =
-1 or 2 leaves 4 of 32 lanes idle in a row's last step (as the product's 112 chunks leave 16 of its
-fourth); the product's row counts balance the grid better, so the settings below try both.
-The order of every addition is fixed by (R, K): repeated runs give the same bits.
+Work split. A tile is R consecutive rows, cut into units of P rows (1 or 2) and one group: R/P
+K/128 units, block-major (with P = 1 and rows contiguous in qweight, a flat run of 64-byte units).
+Lane L of a warp takes units L, L + 32, ... of its tile (item = one step of 32 units, 2 KiB a row
+for the warp), so a lane's units may lie in different rows: it keeps one float accumulator for
+each of the P rows it is in and parks them in shared memory (its own column of the warp's partials
+[R][32], no other lane reads it) when its next unit is in later rows. At the tile's end the R rows'
+32 partials meet in warp_sum's butterfly (lane r stores row r). Warps own whole tiles, w, w + W,
+... (W warps in the grid), as the product's whole-tile plans do. At K = 3584 a row is 28 units: R
+= 8 fills 7 steps exactly, R = 1 or 2 leaves 4 of 32 lanes idle in a row's last step (as the
+product's 112 chunks leave 16 of its fourth); the product's row counts balance the grid better, so
+the settings below try both. The order of every addition is fixed by (R, P, K): repeated runs
+give the same bits.
 
-Loads: a slot holds one item's 16 words and its scale, `depth` slots in flight per lane, the
+Loads: a slot holds one item's 16 P words and its P scales, `depth` slots in flight per lane, the
 first ones requested before griddepcontrol.wait (the weights do not depend on the previous
 kernel), launch_dependents once a thread has issued its last load: the product's pipeline.
 
@@ -86,8 +89,9 @@ GROUP_QUADS = GROUP_SIZE // 8  # 8-input pieces of x in a group: 16 neighbouring
 RECORD = 68  # shared words of a group's activations: 64 byte words, -8 sum v, s_G, 2 unused
 OFFSET_WORD, SCALE_WORD = 64, 65
 
-# rows: R of a tile; warps a block; blocks_per_sm (also the launch bound); depth: items in flight a lane.
-Setting = collections.namedtuple("Setting", "rows warps blocks_per_sm depth")
+# rows: R of a tile; warps a block; blocks_per_sm (also the launch bound); depth: items in flight a
+# lane; unit_rows: P rows a unit (a lane's group of P neighbouring rows, one x record for all of them).
+Setting = collections.namedtuple("Setting", "rows warps blocks_per_sm depth unit_rows", defaults=(1,))
 
 
 def grid_for(n: int, setting: Setting, sms: int) -> int:
@@ -99,9 +103,10 @@ def grid_for(n: int, setting: Setting, sms: int) -> int:
 
 
 def check_shape(n: int, k: int, setting: Setting) -> None:
-    if k % GROUP_SIZE or n % setting.rows or setting.rows not in (1, 2, 4, 8) or not 1 <= setting.depth <= 4:
+    if (k % GROUP_SIZE or n % setting.rows or setting.rows not in (1, 2, 4, 8) or not 1 <= setting.depth <= 4
+            or setting.unit_rows not in (1, 2) or setting.rows % setting.unit_rows):
         raise ValueError(f"{n}x{k} at {setting}: K a multiple of {GROUP_SIZE}, rows 1, 2, 4 or 8 dividing N, "
-                         f"depth 1..4")
+                         f"depth 1..4, unit rows 1 or 2 dividing rows")
 
 
 @functools.cache
@@ -160,10 +165,12 @@ def build(n: int, k: int, grid: int, setting: Setting):
     """gemv(qweight, scales, x_pairs, out): out[N] += W x; qweight uint32 [N*K/8] and scales
     float16 [N*K/128] flat (ValueShuffle), x float16 [K] as uint32 pairs, out float32 [N]."""
     check_shape(n, k, setting)
-    rows, warps, depth = setting.rows, setting.warps, setting.depth
+    rows, warps, depth, unit_rows = setting.rows, setting.warps, setting.depth, setting.unit_rows
     threads = 32 * warps
     groups = U(k // GROUP_SIZE)
-    units = U(rows * (k // GROUP_SIZE))  # of a tile
+    units = U(rows // unit_rows * (k // GROUP_SIZE))  # of a tile
+    words_per_row = U(k // 8)
+    slot_words = UNIT_WORDS * unit_rows
     steps = U(-(-int(units) // 32))
     tiles = U(n // rows)
     total_warps = U(grid * warps)
@@ -181,51 +188,66 @@ def build(n: int, k: int, grid: int, setting: Setting):
 
     @cuda.jit(device=True, inline="always")
     def load(q, s, warp_id, lane, cursor, step, valid, words, scl):
-        """Unit lane + 32 step of the warp's tile number `cursor` into a slot."""
+        """Unit lane + 32 step of the warp's tile number `cursor` into a slot: its group of each of
+        its unit_rows rows (rows lie one after the other in qweight, so with one row a unit the
+        tile's units are one flat run)."""
         if valid:
             u = U(lane + U(U(32) * step))
             if u < units:
-                unit = U(U(U(warp_id + U(cursor * total_warps)) * units) + u)
-                at = U(unit * U(UNIT_WORDS))
-                for j in range(4):
-                    words[4 * j], words[4 * j + 1], words[4 * j + 2], words[4 * j + 3] = \
-                        ld_global_nc_v4_u32(q, U(at + U(4 * j)))
-                scl[0] = s[unit]
+                first = U(U(U(warp_id + U(cursor * total_warps)) * U(rows)) + U(U(u // groups) * U(unit_rows)))
+                group = U(u % groups)
+                for p in range(unit_rows):
+                    at = U(U(U(first + U(p)) * words_per_row) + U(U(UNIT_WORDS) * group))
+                    for j in range(4):
+                        w = UNIT_WORDS * p + 4 * j
+                        words[w], words[w + 1], words[w + 2], words[w + 3] = ld_global_nc_v4_u32(q, U(at + U(4 * j)))
+                    scl[p] = s[U(U(U(first + U(p)) * groups) + group)]
 
     @cuda.jit(device=True, inline="always")
     def multiply(words, scl, group, xs, acc):
-        """acc + this unit's group of its row times x_G (module docstring), as one FMA."""
+        """acc[p] + this unit's group of its row p times x_G (module docstring), one FMA a row; the
+        x record is read once for all the unit's rows."""
         record = U(U(RECORD) * group)
-        low, high = int32(xs[U(record + U(OFFSET_WORD))]), int32(0)
+        offset = int32(xs[U(record + U(OFFSET_WORD))])
+        lows = cuda.local.array(unit_rows, int32)
+        highs = cuda.local.array(unit_rows, int32)
+        for p in range(unit_rows):
+            lows[p], highs[p] = offset, int32(0)
         for j in range(16):  # word j of the unit: chunk j // 4, word j % 4 of the chunk
             x0, x1, x2, x3 = ld_shared_v4_u32(xs, U(record + U(4 * j)))
-            word = words[j]
-            weights_a = word & NIBBLE_BYTES  # weights 0, 1, 4, 5 of the word's 8
-            weights_b = (word >> U(4)) & NIBBLE_BYTES  # weights 2, 3, 6, 7
-            low = dp4a_uu(weights_a, x0, low)
-            high = dp4a_us(weights_a, x1, high)
-            low = dp4a_uu(weights_b, x2, low)
-            high = dp4a_us(weights_b, x3, high)
-        dot = int32(high * int32(256) + low)
-        return cuda.fma(float32(dot), float32(scl[0]) * bits_float(xs[U(record + U(SCALE_WORD))]), acc)
+            for p in range(unit_rows):
+                word = words[UNIT_WORDS * p + j]
+                weights_a = word & NIBBLE_BYTES  # weights 0, 1, 4, 5 of the word's 8
+                weights_b = (word >> U(4)) & NIBBLE_BYTES  # weights 2, 3, 6, 7
+                lows[p] = dp4a_uu(weights_a, x0, lows[p])
+                highs[p] = dp4a_us(weights_a, x1, highs[p])
+                lows[p] = dp4a_uu(weights_b, x2, lows[p])
+                highs[p] = dp4a_us(weights_b, x3, highs[p])
+        x_scale = bits_float(xs[U(record + U(SCALE_WORD))])
+        for p in range(unit_rows):
+            dot = int32(highs[p] * int32(256) + lows[p])
+            acc[p] = cuda.fma(float32(dot), float32(scl[p]) * x_scale, acc[p])
 
     @cuda.jit(device=True, inline="always")
     def compute(warp_id, lane, cursor, step, valid, words, scl, xs, parked, acc, acc_row, out):
         """Add the item (cursor, step), already in this slot; at the tile's last step, sum its rows.
-        acc[0] is this lane's sum of the row acc_row[0] of the tile, parked its column of the warp's
-        partials."""
+        acc[p] is this lane's sum of row p of the tile's unit row block acc_row[0], parked its
+        column of the warp's partials."""
         if valid:
             u = U(lane + U(U(32) * step))
             if u < units:
-                row = U(u // groups)
-                if row != acc_row[0]:
-                    parked[U(U(acc_row[0] * U(32)) + lane)] = acc[0]
-                    acc[0] = float32(0)
-                    acc_row[0] = row
-                acc[0] = multiply(words, scl, U(u % groups), xs, acc[0])
+                block = U(u // groups)
+                if block != acc_row[0]:
+                    for p in range(unit_rows):
+                        parked[U(U(U(U(acc_row[0] * U(unit_rows)) + U(p)) * U(32)) + lane)] = acc[p]
+                        acc[p] = float32(0)
+                    acc_row[0] = block
+                multiply(words, scl, U(u % groups), xs, acc)
             if step == U(steps - U(1)):
-                parked[U(U(acc_row[0] * U(32)) + lane)] = acc[0]
-                acc[0], acc_row[0] = float32(0), U(0)
+                for p in range(unit_rows):
+                    parked[U(U(U(U(acc_row[0] * U(unit_rows)) + U(p)) * U(32)) + lane)] = acc[p]
+                    acc[p] = float32(0)
+                acc_row[0] = U(0)
                 first = U(U(warp_id + U(cursor * total_warps)) * U(rows))
                 for r in range(rows):
                     at = U(U(r * 32) + lane)
@@ -238,15 +260,15 @@ def build(n: int, k: int, grid: int, setting: Setting):
     def gemv(q, s, x_pairs, out):
         xs = cuda.shared.array(shared_words, uint32, alignment=SHARED_ALIGNMENT)
         partials = cuda.shared.array(partial_shape, float32)
-        words0 = cuda.local.array(16, uint32)
-        words1 = cuda.local.array(16, uint32)
-        words2 = cuda.local.array(16, uint32)
-        words3 = cuda.local.array(16, uint32)
-        scl0 = cuda.local.array(1, types.float16)
-        scl1 = cuda.local.array(1, types.float16)
-        scl2 = cuda.local.array(1, types.float16)
-        scl3 = cuda.local.array(1, types.float16)
-        acc = cuda.local.array(1, float32)
+        words0 = cuda.local.array(slot_words, uint32)
+        words1 = cuda.local.array(slot_words, uint32)
+        words2 = cuda.local.array(slot_words, uint32)
+        words3 = cuda.local.array(slot_words, uint32)
+        scl0 = cuda.local.array(unit_rows, types.float16)
+        scl1 = cuda.local.array(unit_rows, types.float16)
+        scl2 = cuda.local.array(unit_rows, types.float16)
+        scl3 = cuda.local.array(unit_rows, types.float16)
+        acc = cuda.local.array(unit_rows, float32)
         acc_row = cuda.local.array(1, uint32)
         lane = U(cuda.laneid)
         warp = U(U(cuda.threadIdx.x) // U(32))
@@ -267,7 +289,9 @@ def build(n: int, k: int, grid: int, setting: Setting):
             load(q, s, warp_id, lane, cursor3, step3, U(3) < items, words3, scl3)
         for r in range(rows):
             parked[U(U(r * 32) + lane)] = float32(0)
-        acc[0], acc_row[0] = float32(0), U(0)
+        for p in range(unit_rows):
+            acc[p] = float32(0)
+        acc_row[0] = U(0)
         grid_dependency_wait()
         stage(x_pairs, U(0), xs, U(0))
         item = U(0)
@@ -385,11 +409,12 @@ def check(rng, shapes=None, grid=None, settings=None, launches=2):
 
 
 def label(setting: Setting) -> str:
-    return "R{} W{} B{} D{}".format(*setting)
+    return "R{} W{} B{} D{}".format(*setting) + (f" P{setting.unit_rows}" if setting.unit_rows > 1 else "")
 
 
 SHAPES = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "down_proj": (3584, 18944), "gate+up rows": (37888, 3584)}
-SETTINGS = [Setting(1, 8, 2, 4), Setting(2, 8, 2, 4), Setting(8, 8, 2, 2), Setting(2, 16, 1, 4)]
+SETTINGS = [Setting(1, 8, 2, 4), Setting(2, 8, 2, 4), Setting(8, 8, 2, 2), Setting(2, 16, 1, 4),
+            Setting(2, 8, 2, 2, unit_rows=2), Setting(2, 16, 1, 2, unit_rows=2)]
 
 
 def timings(replays: int = 20) -> list[dict]:
@@ -411,13 +436,13 @@ SIGNATURE = types.void(types.uint32[::1], types.float16[::1], types.uint32[::1],
 
 
 def compile_targets():
-    """Every 7B shape at R2 W8 B2 D4 and R8 W8 B2 D2 on 132 SMs, for tests/test_dev_variants.py."""
+    """Every 7B shape at R2 W8 B2 D4, R8 W8 B2 D2 and R2 W8 B2 D2 P2 on 132 SMs, for tests/test_dev_variants.py."""
     from pynanoqwen.kernels import CompileTarget
 
     must = ("dp4a.u32.u32", "dp4a.u32.s32", "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32",
             "shfl.sync.bfly.b32", "griddepcontrol.wait", "griddepcontrol.launch_dependents")
     return [CompileTarget(f"gemv_group[{name} {label(setting)}]", build(n, k, grid_for(n, setting, 132), setting),
-                          SIGNATURE, must) for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3]]
+                          SIGNATURE, must) for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3] + SETTINGS[4:5]]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ rounding remains, so a layout, unpack or row-parking mistake shows), against flo
 
 Shapes: K = 512 (4 units a row, one step whatever R) and K = 1536 (12 units a row: at R = 8 a lane's
 three units of a tile lie in three rows, which exercises parking), N = 32 on one or two warps, so a
-warp computes several tiles. The float32 bound (derived in group_bound): at most K/32 + 8
+warp computes several tiles; units of one row and of two (one x record for both). The float32 bound (derived in group_bound): at most K/32 + 8
 roundings of u32 sum |w x|.
 """
 
@@ -28,6 +28,8 @@ N = 32
     (512, Setting(rows=8, warps=1, blocks_per_sm=1, depth=2), 2),
     (1536, Setting(rows=8, warps=1, blocks_per_sm=1, depth=3), 1),
     (1536, Setting(rows=2, warps=2, blocks_per_sm=1, depth=1), 2),
+    (512, Setting(rows=2, warps=1, blocks_per_sm=1, depth=2, unit_rows=2), 2),
+    (1536, Setting(rows=8, warps=2, blocks_per_sm=1, depth=3, unit_rows=2), 1),
 ])
 def test_group_gemv_matches_float64(k, setting, grid):
     rng = np.random.default_rng()

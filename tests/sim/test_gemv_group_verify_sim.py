@@ -1,5 +1,6 @@
 """dev/gemv_group_verify.py under the simulator: the verify GEMV of T tokens gives every token's row
-bit for bit what dev/gemv_group.py's decode GEMV (one row a tile) gives that token alone, on fresh
+bit for bit what dev/gemv_group.py's decode GEMV gives that token alone (a tile of one unit of one
+row, or of two rows, whose lanes own the same groups), on fresh
 random inputs: K of 4, 12 and 32 groups (so 28, 20 and no decode lanes without a group, whose zero
 leaves the butterfly must still place), token counts from 1 to the mma's 16, weight pipelines 1 to
 4 groups deep (slots that run into the next tile), and warps that own several tiles. Equality,
@@ -26,20 +27,21 @@ def test_leaves_follow_the_butterfly():
     assert sorted(leaf_order(28)) == list(range(28))
 
 
-@pytest.mark.parametrize("k, tokens, warps, depth, grid", [
-    (512, 1, 1, 4, 1),
-    (512, 9, 2, 2, 1),
-    (1536, 16, 1, 3, 2),
-    (1536, 3, 2, 4, 2),
-    (4096, 9, 1, 1, 1),
+@pytest.mark.parametrize("k, tokens, warps, depth, grid, unit_rows", [
+    (512, 1, 1, 4, 1, 1),
+    (512, 9, 2, 2, 1, 2),
+    (1536, 16, 1, 3, 2, 1),
+    (1536, 3, 2, 4, 2, 2),
+    (4096, 9, 1, 1, 1, 1),
 ])
-def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, grid):
+def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, grid, unit_rows):
     rng = np.random.default_rng()
     qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
     x = (rng.standard_normal((tokens, k)) * np.repeat(rng.uniform(0.01, 4, (tokens, k // 128)), 128, 1)).astype(
         np.float16)
     h = rng.standard_normal((tokens, N)).astype(np.float32)
-    decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2))
+    decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=unit_rows, warps=1, blocks_per_sm=1, depth=2,
+                                                               unit_rows=unit_rows))
     alone = []
     for m in range(tokens):
         out = cuda.to_device(h[m])
