@@ -442,7 +442,8 @@ def compile_targets():
     must = ("dp4a.u32.u32", "dp4a.u32.s32", "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32",
             "shfl.sync.bfly.b32", "griddepcontrol.wait", "griddepcontrol.launch_dependents")
     return [CompileTarget(f"gemv_group[{name} {label(setting)}]", build(n, k, grid_for(n, setting, 132), setting),
-                          SIGNATURE, must) for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3] + SETTINGS[4:5]]
+                          SIGNATURE, must)
+            for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3] + SETTINGS[4:5]]
 
 
 if __name__ == "__main__":

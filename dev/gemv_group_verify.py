@@ -21,33 +21,37 @@ How. The tokens are the 16 rows of an integer mma (`mma.m16n8k32`, ptx/mma.py), 
   {1, 3} (high bytes), one ld.shared.v4 a token. The low bytes go through mma .u8.u8, the signed
   high bytes through mma .s8.u8; over a group's 4 mmas each sums exactly in int32, the low one
   starting from -8 sum v, so dot = 256 high + low is gemv_group's integer, bit for bit.
-- Then the lane holds dot for tokens g, g + 8 and rows 2t, 2t + 1, and makes the decode lanes'
-  partials from them. The groups are taken in the order of the butterfly's leaves: leaf i is the
-  partial of lane bitrev5(i) (0, 16, 8, 24, 4, ...), so warp_sum's tree is the balanced binary tree
-  over the leaves in that order, and a stack of 5 pending left subtrees a (row, token) sums it as
-  the leaves arrive (`push`): nothing is parked in shared memory. Lanes without a group (28..31 at
-  K = 3584) enter as leaves of 0, as in decode. Then out[m, row] += total, the decode epilogue.
+- Then the lane holds dot for tokens g, g + 8 and rows 2t, 2t + 1 of each of the warp's C column
+  tiles (8 C rows a warp; the tokens' A fragments are loaded once for all C), and makes the decode
+  lanes' partials from them. The groups are taken in the order of the butterfly's leaves: leaf i
+  is the partial of lane bitrev5(i) (0, 16, 8, 24, 4, ...), so warp_sum's tree is the balanced
+  binary tree over the leaves in that order, and a stack of 5 pending left subtrees a (row, token)
+  sums it as the leaves arrive (`push`): nothing is parked in shared memory. Lanes without a group
+  (28..31 at K = 3584) enter as leaves of 0 after the item before them (`zeros_after`), as in
+  decode. Then out[m, row] += total, the decode epilogue. Items go through `depth` register slots,
+  each step called with a constant slot index so that the slots stay in registers (a loop over
+  them left them in local memory at C = 2).
 
-Counted per 8 rows, up to 16 tokens and one group (one leaf), in warp instructions. PTX of the
-leaf loop at o_proj (`compile_ptx`, 9 tokens): 384 instructions, 164 of them movs (the slot
-rotation and the stack's phis, mostly renamed away by ptxas), both prefetch branches included; ~170
-of them run a leaf, 40 being the shared-address arithmetic of the 8 ld.shared.v4 (add, shl, cvt,
-add.s64, cvt each). By hand, if ptxas folds that into the loads' offsets: 8 mma, 12 shared loads,
-12 for the unpack, ~18 for the four leaves (combine, convert, scale product, FMA), ~14 to prefetch
-the item 4 on (its group from a constant table, 16 bytes and 2 scales), ~12 slot moves, ~11 for
-the stack, ~6 for the loop: ~100, against ~38-45 for the same rows and group at one token in
-gemv_group (8 units of its ~150-182 a unit, over 32 lanes). So ~2.5x a decode GEMV's instructions
-for up to 16 tokens, not the ~1.4x docs/SPECULATIVE.md hoped: the mma itself and the float terms
-(26 of the ~100) are about what decode spends on the same weights; the rest is the replay's
-bookkeeping, which more rows a warp (A loads shared by several column tiles) would amortize.
+Counted by hand per item (one group) and column tile of 8 rows, for up to 16 tokens, in warp
+instructions, assuming ptxas folds the shared-address arithmetic into the loads: 8 mma, 12 for the
+unpack, 16 for the leaves (combine, convert, scale product, FMA for 4 (token, row) pairs), ~9 to
+prefetch the item `depth` on (16 bytes, 2 scales, addresses), ~8 for the stack; and once an item
+whatever the column tiles, ~19 (12 shared loads of the tokens' x and offsets, the loop). So ~53 +
+19/C per 8 rows, against ~38 for the same rows and group at one token in gemv_group (8 units of
+its ~150 a unit, over 32 lanes): ~1.9x at C = 1, ~1.6x at C = 2. The mma and the unpack cost
+about what decode's dp4a do on the same weights; the float terms, one set a token, and the
+replay's bookkeeping are the rest. PTX is no guide here: the compiled loop body holds both
+prefetch branches and every level of the stack, and its movs (the stack's and slots' phis) are
+half its length. The GPU run decides (`timings`).
 
-Scope (a dev variant): residual epilogue only; replays gemv_group at R = 1 and K <= 4096 (the
-decode tile of one row makes every row's leaves the same lanes; a longer K makes a lane's partial a
+Scope (a dev variant): residual epilogue only; replays gemv_group with a tile of one unit (R = P)
+and K <= 4096 (then every row's leaves are the same lanes; a longer K makes a lane's partial a
 chain of FMAs, which the same stack takes with a chain per leaf, not built); the whole of every
 token's x staged in each block's shared memory (K/128 x 68 x 4 bytes a token: 122 KB for 16 tokens
 at K = 3584), copied by cp.async from records a first kernel writes (`stage_tokens`, one block a
 token, the same staging function as the decode GEMV). Not in the engine.
 """
+
 from __future__ import annotations
 
 import collections
@@ -77,8 +81,9 @@ MAX_TOKENS = 16  # the mma's M
 TILE_ROWS = 8  # the mma's N: weight rows a warp computes at once
 STAGE_THREADS = 256  # the staging kernel's block (any multiple of 16: records do not depend on it)
 
-# warps a block; depth: groups whose weights a lane has in flight.
-Setting = collections.namedtuple("Setting", "warps depth", defaults=(4,))
+# warps a block; depth: groups whose weights a lane has in flight; column_tiles: 8-row mma columns a
+# warp computes from one load of the tokens' x (a warp tile of 8 column_tiles rows).
+Setting = collections.namedtuple("Setting", "warps depth column_tiles", defaults=(4, 1))
 LEVELS = 5  # warp_sum's butterfly: masks 16, 8, 4, 2, 1
 
 
@@ -108,56 +113,70 @@ def shared_bytes(k: int, tokens: int) -> int:
 def leaf_order(groups: int) -> np.ndarray:
     """The groups in the order their leaves enter the butterfly: lane L = bitrev5(i) for i = 0..31,
     the lanes that own a group (L < groups)."""
-    lanes = [int(f"{i:05b}"[::-1], 2) for i in range(32)]
-    return np.array([lane for lane in lanes if lane < groups], np.uint32)
+    return np.array([lane for lane in LEAF_LANES if lane < groups], np.uint32)
+
+
+LEAF_LANES = [int(f"{i:05b}"[::-1], 2) for i in range(32)]  # leaf i of warp_sum's tree is lane bitrev5(i)
 
 
 @functools.cache
 def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
     """verify(q, s, records, out): out[m N + row] += W x_m for m < tokens; q/s as gemv_group,
-    records from stage_tokens, out float32 [tokens N]. Replays gemv_group at R = 1 for K <= 4096."""
+    records from stage_tokens, out float32 [tokens N]. Replays gemv_group's tile of one unit for
+    K <= 4096."""
     groups_count = k // GROUP_SIZE
-    if n % TILE_ROWS or k % GROUP_SIZE or not 1 <= groups_count <= 32 or not 1 <= tokens <= MAX_TOKENS \
-            or not 1 <= setting.depth <= groups_count:
-        raise ValueError(f"{n}x{k}, {tokens} tokens, {setting}: N a multiple of {TILE_ROWS}, K a multiple of "
+    columns = setting.column_tiles
+    rows_per_warp = TILE_ROWS * columns
+    if n % rows_per_warp or k % GROUP_SIZE or not 1 <= groups_count <= 32 or not 1 <= tokens <= MAX_TOKENS \
+            or groups_count % setting.depth or not 1 <= setting.depth <= 4:
+        raise ValueError(f"{n}x{k}, {tokens} tokens, {setting}: N a multiple of {rows_per_warp}, K a multiple of "
                          f"{GROUP_SIZE} up to 4096 (one group a decode lane), 1..{MAX_TOKENS} tokens, "
-                         f"depth 1..K/{GROUP_SIZE}")
+                         f"depth 1..4 dividing K/{GROUP_SIZE}")
     warps, depth = setting.warps, setting.depth
     threads = 32 * warps
     groups = U(groups_count)
     words_per_row = U(k // 8)
-    tiles = U(n // TILE_ROWS)
+    tiles = U(n // rows_per_warp)
     total_warps = U(grid * warps)
     record_words = U(RECORD * groups_count)
     quads = U(tokens * RECORD * groups_count // 4)
     t_count = U(tokens)
     order = leaf_order(groups_count)
-    slot_words, slot_scales = 4 * depth, 2 * depth
-    stack_words = 4 * LEVELS
+    leaf_of_item = np.array([LEAF_LANES.index(int(group)) for group in order], np.uint32)
+    # zero leaves (lanes without a group) to push after each item, before the next item's leaf
+    zeros_after = np.diff(np.append(leaf_of_item, 32)).astype(np.uint32) - np.uint32(1)
+    pairs = 4 * columns  # (token, row) sums a lane holds: tokens g, g + 8 x rows 2t, 2t + 1 of each column tile
+    slot_words, slot_scales = 4 * columns * depth, 2 * columns * depth
+    stack_words = LEVELS * pairs
 
     @cuda.jit(device=True, inline="always")
     def load_item(q, s, tile, item, g, t, words, scl, d):
-        """Item `item` of a tile (its group order[item]): row g's words 4t..4t+3 of the group and the
-        scales of rows 2t and 2t + 1, into slot d."""
+        """Item `item` of a warp tile (its group order[item]) into slot d: for each column tile c,
+        row 8c + g's words 4t..4t+3 of the group and the scales of rows 8c + 2t and 8c + 2t + 1."""
         group = order[item]
-        first = U(tile * U(TILE_ROWS))
-        at = U(U(U(first + g) * words_per_row) + U(U(U(16) * group) + U(U(4) * t)))
-        words[4 * d], words[4 * d + 1], words[4 * d + 2], words[4 * d + 3] = ld_global_nc_v4_u32(q, at)
-        scl[2 * d] = s[U(U(U(first + U(U(2) * t)) * groups) + group)]
-        scl[2 * d + 1] = s[U(U(U(U(first + U(U(2) * t)) + U(1)) * groups) + group)]
+        first = U(tile * U(rows_per_warp))
+        for c in range(columns):
+            row = U(U(first + U(TILE_ROWS * c)) + g)
+            at = U(U(row * words_per_row) + U(U(U(16) * group) + U(U(4) * t)))
+            w = 4 * (columns * d + c)
+            words[w], words[w + 1], words[w + 2], words[w + 3] = ld_global_nc_v4_u32(q, at)
+            pair_row = U(U(first + U(TILE_ROWS * c)) + U(U(2) * t))
+            scl[2 * (columns * d + c)] = s[U(U(pair_row * groups) + group)]
+            scl[2 * (columns * d + c) + 1] = s[U(U(U(pair_row + U(1)) * groups) + group)]
 
     @cuda.jit(device=True, inline="always")
     def prefetch(q, s, tile, item, g, t, words, scl, d):
-        """Slot d gets the item `item` positions on, which may be in the warp's next tile."""
+        """Slot d gets the item `item`, which may be in the warp's next tile."""
         if item < groups:
             load_item(q, s, tile, item, g, t, words, scl, d)
         elif U(tile + total_warps) < tiles:
             load_item(q, s, U(tile + total_warps), U(item - groups), g, t, words, scl, d)
 
     @cuda.jit(device=True, inline="always")
-    def leaves(records, group, g, t, words, scl, leaf):
-        """The decode lane partials of this group for tokens g, g + 8 and rows 2t, 2t + 1 (slot 0's
-        weights): leaf = fma(float32(dot), float32(s_w) * s_G, 0), as gemv_group's first FMA."""
+    def leaves(records, group, g, t, words, scl, d, leaf):
+        """The decode lane partials of this group (slot d's weights) for tokens g, g + 8 and rows
+        2t, 2t + 1 of every column tile: fma(float32(dot), float32(s_w) * s_G, 0), as gemv_group's
+        first FMA of a row. The tokens' x is read once for all the column tiles."""
         m0, m1 = g, U(g + U(8))
         base0 = U(U(m0 * record_words) + U(U(RECORD) * group))
         base1 = U(U(m1 * record_words) + U(U(RECORD) * group))
@@ -166,42 +185,63 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         if m1 >= t_count:
             base1 = U(U(RECORD) * group)
         off0, off1 = int32(records[U(base0 + U(OFFSET_WORD))]), int32(records[U(base1 + U(OFFSET_WORD))])
-        low0, low1, low2, low3 = off0, off0, off1, off1
-        high0, high1, high2, high3 = int32(0), int32(0), int32(0), int32(0)
-        for c in range(4):
-            word = words[c]
-            b0 = word & NIBBLE_BYTES
-            b1 = (word >> U(4)) & NIBBLE_BYTES
-            lo_a0, hi_a0, lo_b0, hi_b0 = ld_shared_v4_u32(records, U(base0 + U(U(U(16) * t) + U(4 * c))))
-            lo_a1, hi_a1, lo_b1, hi_b1 = ld_shared_v4_u32(records, U(base1 + U(U(U(16) * t) + U(4 * c))))
-            low0, low1, low2, low3 = mma_m16n8k32_u8u8(lo_a0, lo_a1, lo_b0, lo_b1, b0, b1, low0, low1, low2, low3)
-            high0, high1, high2, high3 = mma_m16n8k32_s8u8(hi_a0, hi_a1, hi_b0, hi_b1, b0, b1, high0, high1, high2,
-                                                           high3)
+        lows = cuda.local.array(pairs, int32)
+        highs = cuda.local.array(pairs, int32)
+        for c in range(columns):
+            lows[4 * c], lows[4 * c + 1], lows[4 * c + 2], lows[4 * c + 3] = off0, off0, off1, off1
+            highs[4 * c], highs[4 * c + 1], highs[4 * c + 2], highs[4 * c + 3] = 0, 0, 0, 0
+        for chunk in range(4):
+            lo_a0, hi_a0, lo_b0, hi_b0 = ld_shared_v4_u32(records, U(base0 + U(U(U(16) * t) + U(4 * chunk))))
+            lo_a1, hi_a1, lo_b1, hi_b1 = ld_shared_v4_u32(records, U(base1 + U(U(U(16) * t) + U(4 * chunk))))
+            for c in range(columns):
+                word = words[4 * (columns * d + c) + chunk]
+                b0 = word & NIBBLE_BYTES
+                b1 = (word >> U(4)) & NIBBLE_BYTES
+                lows[4 * c], lows[4 * c + 1], lows[4 * c + 2], lows[4 * c + 3] = mma_m16n8k32_u8u8(
+                    lo_a0, lo_a1, lo_b0, lo_b1, b0, b1, lows[4 * c], lows[4 * c + 1], lows[4 * c + 2], lows[4 * c + 3])
+                highs[4 * c], highs[4 * c + 1], highs[4 * c + 2], highs[4 * c + 3] = mma_m16n8k32_s8u8(
+                    hi_a0, hi_a1, hi_b0, hi_b1, b0, b1, highs[4 * c], highs[4 * c + 1], highs[4 * c + 2],
+                    highs[4 * c + 3])
         x_scale0 = bits_float(records[U(base0 + U(SCALE_WORD))])
         x_scale1 = bits_float(records[U(base1 + U(SCALE_WORD))])
-        w0, w1 = float32(scl[0]), float32(scl[1])
         zero = float32(0)
-        leaf[0] = cuda.fma(float32(int32(high0 * int32(256) + low0)), w0 * x_scale0, zero)
-        leaf[1] = cuda.fma(float32(int32(high1 * int32(256) + low1)), w1 * x_scale0, zero)
-        leaf[2] = cuda.fma(float32(int32(high2 * int32(256) + low2)), w0 * x_scale1, zero)
-        leaf[3] = cuda.fma(float32(int32(high3 * int32(256) + low3)), w1 * x_scale1, zero)
+        for c in range(columns):
+            w0, w1 = float32(scl[2 * (columns * d + c)]), float32(scl[2 * (columns * d + c) + 1])
+            for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+                scale = (w0 if e % 2 == 0 else w1) * (x_scale0 if e < 2 else x_scale1)
+                dot = int32(highs[4 * c + e] * int32(256) + lows[4 * c + e])
+                leaf[4 * c + e] = cuda.fma(float32(dot), scale, zero)
 
     @cuda.jit(device=True, inline="always")
     def push(stack, leaf, i):
         """Leaf i of the butterfly (lane bitrev5(i)'s partial) into the stack of left subtrees:
         while i's low bits are ones, the pending left sibling is added (left + right, as the
         lower lane adds its partner in warp_sum; the same bits either way). After leaf 31, leaf
-        holds the four sums."""
+        holds the sums."""
         carry = True
         for level in range(LEVELS):
             if carry:
                 if (i >> U(level)) & U(1):
-                    for p in range(4):
+                    for p in range(pairs):
                         leaf[p] = stack[LEVELS * p + level] + leaf[p]
                 else:
-                    for p in range(4):
+                    for p in range(pairs):
                         stack[LEVELS * p + level] = leaf[p]
                     carry = False
+
+    @cuda.jit(device=True, inline="always")
+    def step(q, s, records, tile, item, g, t, words, scl, d, leaf, stack):
+        """Item `item` (in slot d): its leaves into the stack, then the zero leaves of the lanes
+        without a group that follow it; slot d then requests the item `depth` on."""
+        group = order[item]
+        leaves(records, group, g, t, words, scl, d, leaf)
+        prefetch(q, s, tile, U(item + U(depth)), g, t, words, scl, d)
+        i = leaf_of_item[item]
+        push(stack, leaf, i)
+        for z in range(zeros_after[item]):
+            for p in range(pairs):
+                leaf[p] = float32(0)
+            push(stack, leaf, U(U(i + U(1)) + U(z)))
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, 1)}))
     def verify(q, s, records_global, out):
@@ -209,13 +249,18 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         lane = U(cuda.laneid)
         g, t = U(lane // U(4)), U(lane % U(4))
         warp_id = U(U(U(cuda.blockIdx.x) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
-        words = cuda.local.array(slot_words, uint32)  # slot d: the weights of the item d on
+        words = cuda.local.array(slot_words, uint32)  # slot d: the weights of item d (mod depth)
         scl = cuda.local.array(slot_scales, types.float16)
-        leaf = cuda.local.array(4, float32)
+        leaf = cuda.local.array(pairs, float32)
         stack = cuda.local.array(stack_words, float32)
         if warp_id < tiles:  # the weights do not depend on the kernel before: request them first
-            for d in range(depth):
-                load_item(q, s, warp_id, U(d), g, t, words, scl, d)
+            load_item(q, s, warp_id, U(0), g, t, words, scl, 0)
+            if depth >= 2:
+                load_item(q, s, warp_id, U(1), g, t, words, scl, 1)
+            if depth >= 3:
+                load_item(q, s, warp_id, U(2), g, t, words, scl, 2)
+            if depth >= 4:
+                load_item(q, s, warp_id, U(3), g, t, words, scl, 3)
         grid_dependency_wait()
         i = U(cuda.threadIdx.x)
         while i < quads:
@@ -227,28 +272,24 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         tile = warp_id
         while tile < tiles:
             item = U(0)
-            for i in range(32):
-                lane_of_leaf = U(cuda.brev(U(i)) >> U(27))
-                if lane_of_leaf < groups:
-                    leaves(records, lane_of_leaf, g, t, words, scl, leaf)
-                    for d in range(depth - 1):  # the slots move up; the last gets the item depth on
-                        for e in range(4):
-                            words[4 * d + e] = words[4 * d + 4 + e]
-                        scl[2 * d], scl[2 * d + 1] = scl[2 * d + 2], scl[2 * d + 3]
-                    prefetch(q, s, tile, U(item + U(depth)), g, t, words, scl, depth - 1)
-                    item = U(item + U(1))
-                else:  # a decode lane without a group: its partial is 0
-                    for p in range(4):
-                        leaf[p] = float32(0)
-                push(stack, leaf, U(i))
-            first = U(tile * U(TILE_ROWS))
-            row0 = U(first + U(U(2) * t))
-            if g < t_count:
-                out[U(U(g * U(n)) + row0)] += leaf[0]
-                out[U(U(U(g * U(n)) + row0) + U(1))] += leaf[1]
-            if U(g + U(8)) < t_count:
-                out[U(U(U(g + U(8)) * U(n)) + row0)] += leaf[2]
-                out[U(U(U(U(g + U(8)) * U(n)) + row0) + U(1))] += leaf[3]
+            while item < groups:  # one call a slot, so that each slot's index is a constant
+                step(q, s, records, tile, item, g, t, words, scl, 0, leaf, stack)
+                if depth >= 2:
+                    step(q, s, records, tile, U(item + U(1)), g, t, words, scl, 1, leaf, stack)
+                if depth >= 3:
+                    step(q, s, records, tile, U(item + U(2)), g, t, words, scl, 2, leaf, stack)
+                if depth >= 4:
+                    step(q, s, records, tile, U(item + U(3)), g, t, words, scl, 3, leaf, stack)
+                item = U(item + U(depth))
+            first = U(tile * U(rows_per_warp))
+            for c in range(columns):
+                row0 = U(U(first + U(TILE_ROWS * c)) + U(U(2) * t))
+                if g < t_count:
+                    out[U(U(g * U(n)) + row0)] += leaf[4 * c]
+                    out[U(U(U(g * U(n)) + row0) + U(1))] += leaf[4 * c + 1]
+                if U(g + U(8)) < t_count:
+                    out[U(U(U(g + U(8)) * U(n)) + row0)] += leaf[4 * c + 2]
+                    out[U(U(U(U(g + U(8)) * U(n)) + row0) + U(1))] += leaf[4 * c + 3]
             tile = U(tile + total_warps)
         launch_dependents()
 
@@ -312,19 +353,20 @@ def check(rng, shapes=None, token_counts=(1, 5, 9, 16)):
 
 
 SHAPES = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate+up rows": (37888, 3584)}
-SETTING = Setting(warps=8, depth=4)  # 122 KB of records at 16 tokens leave one block a SM
+SETTING = Setting(warps=8, depth=4, column_tiles=2)  # 122 KB of records at 16 tokens leave one block a SM
 
 
 def verify_grid(n: int, setting: Setting) -> int:
     """One block a SM (the records leave room for one), fewer when there are fewer tiles than warps."""
     from pynanoqwen.device import sm_count
 
-    return max(1, min(sm_count(), -(-(n // TILE_ROWS) // setting.warps)))
+    return max(1, min(sm_count(), -(-(n // (TILE_ROWS * setting.column_tiles)) // setting.warps)))
 
 
 def timings(replays: int = 20) -> list[dict]:
     """us a call of gemv_group's decode GEMV at DECODE (one token) and of the verify GEMV at 4, 9
-    and 16 tokens, each with its ratio to the decode call; weights rotated through twice the L2."""
+    and 16 tokens with 2 and 1 column tiles a warp, each with its ratio to the decode call; weights
+    rotated through twice the L2."""
     from gemv_group import GroupGemv, grid_for
     from harness import time_calls
     from pynanoqwen.device import sm_count
@@ -336,10 +378,12 @@ def timings(replays: int = 20) -> list[dict]:
         rows.append({"linear": name, "tokens": 1, "form": "decode (gemv_group R1 W8 B2 D4)", "us a call": one,
                      "ratio": 1.0})
         for tokens in (4, 9, 16):
-            us = time_calls(lambda weights, tokens=tokens: GroupVerify(
-                n, k, tokens, *weights[0], verify_grid(n, SETTING), SETTING).launch, n, k, tokens, replays=replays)
-            rows.append({"linear": name, "tokens": tokens, "form": f"verify W{SETTING.warps} D{SETTING.depth}",
-                         "us a call": us, "ratio": us / one})
+            for setting in (SETTING, SETTING._replace(column_tiles=1)):
+                us = time_calls(lambda weights, tokens=tokens, setting=setting: GroupVerify(
+                    n, k, tokens, *weights[0], verify_grid(n, setting), setting).launch, n, k, tokens,
+                    replays=replays)
+                rows.append({"linear": name, "tokens": tokens, "form": f"verify W{setting.warps} D{setting.depth} "
+                             f"C{setting.column_tiles}", "us a call": us, "ratio": us / one})
     return rows
 
 
@@ -348,11 +392,12 @@ def compile_targets():
     from pynanoqwen.kernels import CompileTarget
 
     must = ("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32", "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32",
-            "fma.rn.f32", "brev.b32", "ld.global.nc.v4.u32", "ld.shared.v4.u32", "cp.async.cg.shared.global",
+            "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32", "cp.async.cg.shared.global",
             "griddepcontrol.wait")
     signature = types.void(types.uint32[::1], types.float16[::1], types.uint32[::1], types.float32[::1])
-    targets = [CompileTarget(f"gemv_group_verify[{name} 9 tokens, W{SETTING.warps} D{SETTING.depth}]",
-                             build(n, k, 9, min(132, n // TILE_ROWS // SETTING.warps), SETTING), signature, must)
+    targets = [CompileTarget(f"gemv_group_verify[{name} 9 tokens, {SETTING}]",
+                             build(n, k, 9, min(132, n // (TILE_ROWS * SETTING.column_tiles) // SETTING.warps),
+                                   SETTING), signature, must)
                for name, (n, k) in SHAPES.items()]
     targets.append(CompileTarget("gemv_group_verify stage_tokens[K 3584, 9 tokens]", build_stage(3584, 9),
                                  types.void(types.uint32[::1], types.uint32[::1]),

@@ -5,8 +5,8 @@ rounding remains, so a layout, unpack or row-parking mistake shows), against flo
 
 Shapes: K = 512 (4 units a row, one step whatever R) and K = 1536 (12 units a row: at R = 8 a lane's
 three units of a tile lie in three rows, which exercises parking), N = 32 on one or two warps, so a
-warp computes several tiles; units of one row and of two (one x record for both). The float32 bound (derived in group_bound): at most K/32 + 8
-roundings of u32 sum |w x|.
+warp computes several tiles; units of one row and of two (one x record for both). The float32
+bound (derived in group_bound): at most K/32 + 8 roundings of u32 sum |w x|.
 """
 
 import numpy as np

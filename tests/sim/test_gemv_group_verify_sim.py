@@ -3,7 +3,8 @@ bit for bit what dev/gemv_group.py's decode GEMV gives that token alone (a tile 
 row, or of two rows, whose lanes own the same groups), on fresh
 random inputs: K of 4, 12 and 32 groups (so 28, 20 and no decode lanes without a group, whose zero
 leaves the butterfly must still place), token counts from 1 to the mma's 16, weight pipelines 1 to
-4 groups deep (slots that run into the next tile), and warps that own several tiles. Equality,
+4 groups deep (slots that run into the next tile), 1 to 4 column tiles a warp, and warps that own
+several tiles. Equality,
 not a bound: lossless prompt lookup needs the same bits (docs/SPECULATIVE.md)."""
 
 import numpy as np
@@ -27,14 +28,14 @@ def test_leaves_follow_the_butterfly():
     assert sorted(leaf_order(28)) == list(range(28))
 
 
-@pytest.mark.parametrize("k, tokens, warps, depth, grid, unit_rows", [
-    (512, 1, 1, 4, 1, 1),
-    (512, 9, 2, 2, 1, 2),
-    (1536, 16, 1, 3, 2, 1),
-    (1536, 3, 2, 4, 2, 2),
-    (4096, 9, 1, 1, 1, 1),
+@pytest.mark.parametrize("k, tokens, warps, depth, columns, grid, unit_rows", [
+    (512, 1, 1, 4, 1, 1, 1),
+    (512, 9, 2, 2, 2, 1, 2),
+    (1536, 16, 1, 3, 2, 2, 1),
+    (1536, 3, 2, 4, 1, 2, 2),
+    (4096, 9, 1, 1, 4, 1, 1),
 ])
-def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, grid, unit_rows):
+def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, columns, grid, unit_rows):
     rng = np.random.default_rng()
     qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
     x = (rng.standard_normal((tokens, k)) * np.repeat(rng.uniform(0.01, 4, (tokens, k // 128)), 128, 1)).astype(
@@ -47,7 +48,7 @@ def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, grid, uni
         out = cuda.to_device(h[m])
         decode.launch(0, cuda.to_device(x[m]), out)
         alone.append(out.copy_to_host())
-    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth))
+    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth, columns))
     out = cuda.to_device(h)
     verify.launch(0, cuda.to_device(x), out)
     got = out.copy_to_host()
