@@ -55,8 +55,9 @@ kernel), launch_dependents once a thread has issued its last load: the product's
 
 Not the default: not measured (written 2026-12-05 without a GPU; tests/sim/test_gemv_group_sim.py
 checks it against float64 in the simulator). Residual epilogue only (out += W x, the form of o_proj
-and down_proj, and of dev/gemv_mma.py), no fused RMSNorm or RoPE. `python dev/gemv_group.py` on the
-GPU checks it against float64 and times it against the product.
+and down_proj, and of dev/gemv_mma.py), with or without the product's fused RMSNorm of h in the
+staging (qkv's and gate_up's input), no RoPE or gate/up epilogue. `python dev/gemv_group.py` on
+the GPU checks it against float64 and times it against the product.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ from numba.core import types
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pynanoqwen.config import GROUP_SIZE  # noqa: E402
-from pynanoqwen.kernels.gemv_int4_paths import FIXED_MAX, INVERSE_FIXED_MAX, NIBBLE_BYTES, fixed16_quad  # noqa: E402
+from pynanoqwen.kernels.gemv_int4_paths import (FIXED_MAX, INVERSE_FIXED_MAX, NIBBLE_BYTES,  # noqa: E402
+                                                _normed_activations, fixed16_quad)
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
 from pynanoqwen.ptx.bits import bits_float, float_bits  # noqa: E402
 from pynanoqwen.ptx.dp4a import dp4a_uu, dp4a_us  # noqa: E402
@@ -110,30 +112,39 @@ def check_shape(n: int, k: int, setting: Setting) -> None:
 
 
 @functools.cache
-def group_stager(k: int, threads: int):
-    """stage(x_pairs, x_base, xs, xs_base): one token's x (float16 [K] as uint32 pairs, from word
-    x_base) into K/128 group records of xs (uint32, from word xs_base), by a block of `threads`
-    threads (module docstring: the arithmetic), ending with a syncthreads. Thread t holds quads q =
-    t + j threads; a group's 16 quads sit in 16 neighbouring lanes, which share its largest |x|
-    and sum of v through 4 shuffles each. Every lane takes part (one past the end holds zeros and
-    stores nothing). Each record depends on its group's 128 inputs alone (a maximum, one rounding
-    each, an integer sum), so whoever stages a token, this kernel or dev/gemv_group_verify.py's,
+def group_stager(k: int, threads: int, norm_eps: float | None = None):
+    """stage(activations, xs, xs_base): one token's x into K/128 group records of xs (uint32, from
+    word xs_base), by a block of `threads` threads (module docstring: the arithmetic), ending with
+    a syncthreads. activations: (x as float16 [K] in uint32 pairs,), or with norm_eps (h float32
+    [K], the norm weight's float16 pairs as uint32), whose x = RMSNorm(h) * weight is computed in
+    float32 as the product's fused norm computes it (kernels/gemv_int4_paths.py's
+    _normed_activations, the same function: its sum of h^2 is in the order of `threads`) and
+    quantized without rounding to FP16 first. Thread t holds quads q = t + j threads; a group's
+    16 quads sit in 16 neighbouring lanes, which share its largest |x| and sum of v through 4
+    shuffles each. Every lane takes part (one past the end holds zeros and stores nothing). Each
+    record depends on its group's 128 values alone (a maximum, one rounding each, an integer sum),
+    so whoever stages a token with the same `threads`, this kernel or dev/gemv_group_verify.py's,
     gets the same words."""
     quads = U(k // 8)
     quads_per_thread = -(-(k // 8) // threads)
     staged_values = 8 * quads_per_thread
+    norm = norm_eps is not None
+    normed = _normed_activations(k, threads, norm_eps)
 
     @cuda.jit(device=True, inline="always")
-    def stage(x_pairs, x_base, xs, xs_base):
+    def stage(activations, xs, xs_base):
         t = U(cuda.threadIdx.x)
         values = cuda.local.array(staged_values, float32)
-        for j in range(quads_per_thread):
-            q = U(t + U(j * threads))
-            for e in range(4):
-                values[8 * j + 2 * e], values[8 * j + 2 * e + 1] = float32(0), float32(0)
-                if q < quads:
-                    values[8 * j + 2 * e], values[8 * j + 2 * e + 1] = \
-                        half2_to_float2(x_pairs[U(x_base + U(U(4) * q + U(e)))])
+        if norm:
+            normed(activations, t, values)
+        else:
+            x_pairs = activations[0]
+            for j in range(quads_per_thread):
+                q = U(t + U(j * threads))
+                for e in range(4):
+                    values[8 * j + 2 * e], values[8 * j + 2 * e + 1] = float32(0), float32(0)
+                    if q < quads:
+                        values[8 * j + 2 * e], values[8 * j + 2 * e + 1] = half2_to_float2(x_pairs[U(U(4) * q + U(e))])
         for j in range(quads_per_thread):
             q = U(t + U(j * threads))
             largest = float32(0)
@@ -161,9 +172,10 @@ def group_stager(k: int, threads: int):
 
 
 @functools.cache
-def build(n: int, k: int, grid: int, setting: Setting):
-    """gemv(qweight, scales, x_pairs, out): out[N] += W x; qweight uint32 [N*K/8] and scales
-    float16 [N*K/128] flat (ValueShuffle), x float16 [K] as uint32 pairs, out float32 [N]."""
+def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = None):
+    """gemv(qweight, scales, activations, out): out[N] += W x; qweight uint32 [N*K/8] and scales
+    float16 [N*K/128] flat (ValueShuffle), activations as group_stager takes them (x float16 [K]
+    as uint32 pairs, or with norm_eps h float32 [K] and the norm weight), out float32 [N]."""
     check_shape(n, k, setting)
     rows, warps, depth, unit_rows = setting.rows, setting.warps, setting.depth, setting.unit_rows
     threads = 32 * warps
@@ -175,7 +187,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
     tiles = U(n // rows)
     total_warps = U(grid * warps)
     shared_words = RECORD * (k // GROUP_SIZE)
-    stage = group_stager(k, threads)
+    stage = group_stager(k, threads, norm_eps)
     partial_shape = (warps, rows * 32)
 
     @cuda.jit(device=True, inline="always")
@@ -257,7 +269,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
                         out[U(first + U(r))] += total
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, setting.blocks_per_sm)}))
-    def gemv(q, s, x_pairs, out):
+    def gemv(q, s, activations, out):
         xs = cuda.shared.array(shared_words, uint32, alignment=SHARED_ALIGNMENT)
         partials = cuda.shared.array(partial_shape, float32)
         words0 = cuda.local.array(slot_words, uint32)
@@ -293,7 +305,7 @@ def build(n: int, k: int, grid: int, setting: Setting):
             acc[p] = float32(0)
         acc_row[0] = U(0)
         grid_dependency_wait()
-        stage(x_pairs, U(0), xs, U(0))
+        stage(activations, xs, U(0))
         item = U(0)
         triggered = False
         while item < items:
@@ -302,17 +314,20 @@ def build(n: int, k: int, grid: int, setting: Setting):
                 cursor0, step0 = advance(cursor0, step0)
             load(q, s, warp_id, lane, cursor0, step0, U(item + U(depth)) < items, words0, scl0)
             if depth >= 2:
-                compute(warp_id, lane, cursor1, step1, U(item + U(1)) < items, words1, scl1, xs, parked, acc, acc_row, out)
+                compute(warp_id, lane, cursor1, step1, U(item + U(1)) < items, words1, scl1, xs, parked, acc,
+                        acc_row, out)
                 for _ in range(depth):
                     cursor1, step1 = advance(cursor1, step1)
                 load(q, s, warp_id, lane, cursor1, step1, U(item + U(depth + 1)) < items, words1, scl1)
             if depth >= 3:
-                compute(warp_id, lane, cursor2, step2, U(item + U(2)) < items, words2, scl2, xs, parked, acc, acc_row, out)
+                compute(warp_id, lane, cursor2, step2, U(item + U(2)) < items, words2, scl2, xs, parked, acc,
+                        acc_row, out)
                 for _ in range(depth):
                     cursor2, step2 = advance(cursor2, step2)
                 load(q, s, warp_id, lane, cursor2, step2, U(item + U(depth + 2)) < items, words2, scl2)
             if depth >= 4:
-                compute(warp_id, lane, cursor3, step3, U(item + U(3)) < items, words3, scl3, xs, parked, acc, acc_row, out)
+                compute(warp_id, lane, cursor3, step3, U(item + U(3)) < items, words3, scl3, xs, parked, acc,
+                        acc_row, out)
                 for _ in range(depth):
                     cursor3, step3 = advance(cursor3, step3)
                 load(q, s, warp_id, lane, cursor3, step3, U(item + U(depth + 3)) < items, words3, scl3)
@@ -327,22 +342,30 @@ def build(n: int, k: int, grid: int, setting: Setting):
 
 
 class GroupGemv:
-    """out[N] += W x with lanes owning weight groups, for one INT4 linear (module docstring)."""
+    """out[N] += W x with lanes owning weight groups, for one INT4 linear (module docstring); with
+    norm_weight and norm_eps, x = RMSNorm(h) * norm_weight computed while staging."""
 
-    def __init__(self, n, k, qweight, scales, grid, setting):
+    def __init__(self, n, k, qweight, scales, grid, setting, norm_weight=None, norm_eps=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.grid, self.warps = n, k, grid, setting.warps
-        self.kernel = build(n, k, grid, setting)
+        self.kernel = build(n, k, grid, setting, None if norm_eps is None else float(norm_eps))
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
+        self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
+
+    def activations(self, x):
+        """The kernel's activations for x float16 [K], or for h float32 [K] with a norm."""
+        if self.norm_weight is None:
+            return (x.reshape(self.k).view(np.uint32),)
+        return (x.reshape(self.k), self.norm_weight.view(np.uint32))
 
     def launch(self, stream, x, out) -> None:
-        """out float32 [N] += W x, x float16 [K] on the device."""
+        """out float32 [N] += W x, x float16 [K] (or h float32 [K] with a norm) on the device."""
         from pynanoqwen.launch import launch
 
         launch(self.kernel, self.grid, 32 * self.warps, stream,
-               (self.qweight, self.scales, x.reshape(self.k).view(np.uint32), out.reshape(self.n)))
+               (self.qweight, self.scales, self.activations(x), out.reshape(self.n)))
 
 
 def scales_of(x: np.ndarray) -> np.ndarray:
@@ -363,19 +386,24 @@ def staged_activations(x: np.ndarray) -> np.ndarray:
     return (ints * scales_of(x)[:, None].astype(np.float64)).reshape(-1)
 
 
-def group_bound(qweight, scales, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def group_bound(qweight, scales, x: np.ndarray, input_error: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(W x, bound on |GroupGemv(x) - W x|), derived before any run (oracles.gemv_oracle's form).
 
     x's rounding: |v s_G - x| <= s_G / 2 + 2^-22 |x| (kernels/gemv_int4_paths.py's fixed16
     derivation, s_G over 128 inputs). float32: per unit the convert of dot, the scale product and
-    the FMA (3 roundings), over a lane's at most ceil(K/128 / 32) + 1 units of a row... bounded, as
-    the oracle does, by K/32 + 8 roundings of u32 sum |w| (|x| + rounding), which covers them and
-    the 5 warp_sum steps."""
+    the FMA, over a lane's at most ceil(K/4096) + 1 units of a row, then warp_sum's 5 steps: far
+    fewer than the K/32 + 8 roundings of u32 sum |w| (|x| + rounding) that oracles.gemv_oracle
+    allows, kept here as the same bound. input_error: the kernel reads a copy of x off by up to
+    this (a fused norm's float32 xn); its scales follow that copy, and the bound grows by |W| of it."""
     from pynanoqwen.oracles import U32
     from pynanoqwen.quant import dequantize_int4
 
     x64 = np.asarray(x, np.float64)
-    rounding = np.repeat(scales_of(x).astype(np.float64), GROUP_SIZE) / 2 + 2.0**-22 * np.abs(x64)
+    reach = np.abs(x64) if input_error is None else np.abs(x64) + input_error
+    group_scales = reach.reshape(-1, GROUP_SIZE).max(axis=1).astype(np.float32) * INVERSE_FIXED_MAX
+    rounding = np.repeat(group_scales.astype(np.float64), GROUP_SIZE) / 2 + 2.0**-22 * reach
+    if input_error is not None:
+        rounding = rounding + input_error
     w = dequantize_int4(qweight, scales, np.float64)
     magnitude = np.abs(w) @ (np.abs(x64) + rounding)
     return w @ x64, (x.shape[0] // 32 + 8) * U32 * magnitude + np.abs(w) @ rounding
@@ -432,7 +460,8 @@ def timings(replays: int = 20) -> list[dict]:
     return residual_gemv_timings(SHAPES, variants, replays)
 
 
-SIGNATURE = types.void(types.uint32[::1], types.float16[::1], types.uint32[::1], types.float32[::1])
+SIGNATURE = types.void(types.uint32[::1], types.float16[::1], types.UniTuple(types.uint32[::1], 1),
+                       types.float32[::1])
 
 
 def compile_targets():

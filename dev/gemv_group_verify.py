@@ -49,7 +49,8 @@ and K <= 4096 (then every row's leaves are the same lanes; a longer K makes a la
 chain of FMAs, which the same stack takes with a chain per leaf, not built); the whole of every
 token's x staged in each block's shared memory (K/128 x 68 x 4 bytes a token: 122 KB for 16 tokens
 at K = 3584), copied by cp.async from records a first kernel writes (`stage_tokens`, one block a
-token, the same staging function as the decode GEMV). Not in the engine.
+token, the same staging function as the decode GEMV, with its fused RMSNorm when the decode GEMV
+has one, at the decode block's thread count). Not in the engine.
 """
 
 from __future__ import annotations
@@ -79,8 +80,6 @@ from pynanoqwen.ptx.mma import (cp_async_16, cp_async_commit_group, cp_async_wai
 U = np.uint32
 MAX_TOKENS = 16  # the mma's M
 TILE_ROWS = 8  # the mma's N: weight rows a warp computes at once
-STAGE_THREADS = 256  # the staging kernel's block (any multiple of 16: records do not depend on it)
-
 # warps a block; depth: groups whose weights a lane has in flight; column_tiles: 8-row mma columns a
 # warp computes from one load of the tokens' x (a warp tile of 8 column_tiles rows).
 Setting = collections.namedtuple("Setting", "warps depth column_tiles", defaults=(4, 1))
@@ -88,18 +87,26 @@ LEVELS = 5  # warp_sum's butterfly: masks 16, 8, 4, 2, 1
 
 
 @functools.cache
-def build_stage(k: int, tokens: int):
-    """stage_tokens(x_pairs, records): token m's x (float16 [tokens, K] as uint32 pairs) into
-    records[m K/128 68 ..], one block of STAGE_THREADS a token."""
-    stage = group_stager(k, STAGE_THREADS)
-    words_per_token = U(k // 2)
+def build_stage(k: int, threads: int, norm_eps: float | None = None):
+    """stage_tokens(activations, records): token m's x into records[m K/128 68 ..], one block of
+    `threads` a token, by gemv_group's staging function: activations (x float16 [tokens, K] as
+    uint32 pairs,), or with norm_eps (h float32 [tokens, K], the norm weight's pairs), whose norm
+    sums h^2 in the order of `threads` threads: those of the decode GEMV's block, so that the
+    records are the words its blocks stage."""
+    stage = group_stager(k, threads, norm_eps)
+    norm = norm_eps is not None
+    per_token = U(k if norm else k // 2)  # words of one token's activations
     record_words = U(RECORD * (k // GROUP_SIZE))
 
     @cuda.jit
-    def stage_tokens(x_pairs, records):
+    def stage_tokens(activations, records):
         m = U(cuda.blockIdx.x)
         grid_dependency_wait()
-        stage(x_pairs, U(m * words_per_token), records, U(m * record_words))
+        first = U(m * per_token)
+        if norm:
+            stage((activations[0][first:U(first + per_token)], activations[1]), records, U(m * record_words))
+        else:
+            stage((activations[0][first:U(first + per_token)],), records, U(m * record_words))
         launch_dependents()
 
     return stage_tokens
@@ -297,25 +304,31 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
 
 
 class GroupVerify:
-    """out[m, :] += W x_m for `tokens` tokens, each as dev/gemv_group.py's GEMV computes it alone."""
+    """out[m, :] += W x_m for `tokens` tokens, each as dev/gemv_group.py's GEMV with `decode_warps`
+    warps a block computes it alone (with norm_weight and norm_eps, x_m = RMSNorm(h_m) * weight)."""
 
-    def __init__(self, n, k, tokens, qweight, scales, grid, setting):
+    def __init__(self, n, k, tokens, qweight, scales, grid, setting, decode_warps=8, norm_weight=None,
+                 norm_eps=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.tokens, self.grid, self.warps = n, k, tokens, grid, setting.warps
-        self.stage = build_stage(k, tokens)
+        self.stage_threads = 32 * decode_warps
+        self.stage = build_stage(k, self.stage_threads, None if norm_eps is None else float(norm_eps))
         self.kernel = build(n, k, tokens, grid, setting)
         self.shared = shared_bytes(k, tokens)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
+        self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
         self.records = cuda.device_array(tokens * RECORD * (k // GROUP_SIZE), np.uint32)
 
     def launch(self, stream, x, out) -> None:
-        """out float32 [tokens, N] += (W x_m)_m, x float16 [tokens, K] on the device."""
+        """out float32 [tokens, N] += (W x_m)_m, x float16 [tokens, K] (or h float32 [tokens, K]
+        with a norm) on the device."""
         from pynanoqwen.launch import launch
 
-        launch(self.stage, self.tokens, STAGE_THREADS, stream, (x.reshape(self.tokens * self.k).view(np.uint32),
-                                                                self.records))
+        flat = x.reshape(self.tokens * self.k)
+        activations = (flat.view(np.uint32),) if self.norm_weight is None else (flat, self.norm_weight.view(np.uint32))
+        launch(self.stage, self.tokens, self.stage_threads, stream, (activations, self.records))
         launch(self.kernel, self.grid, 32 * self.warps, stream,
                (self.qweight, self.scales, self.records, out.reshape(self.tokens * self.n)), shared_bytes=self.shared)
 
@@ -399,9 +412,13 @@ def compile_targets():
                              build(n, k, 9, min(132, n // (TILE_ROWS * SETTING.column_tiles) // SETTING.warps),
                                    SETTING), signature, must)
                for name, (n, k) in SHAPES.items()]
-    targets.append(CompileTarget("gemv_group_verify stage_tokens[K 3584, 9 tokens]", build_stage(3584, 9),
-                                 types.void(types.uint32[::1], types.uint32[::1]),
-                                 ("dp4a.u32.u32", "shfl.sync.bfly.b32", "prmt.b32")))
+    flat_u32 = types.uint32[::1]
+    for name, eps, activations in (("x", None, types.UniTuple(flat_u32, 1)),
+                                   ("RMSNorm(h)", 1e-6, types.Tuple((types.float32[::1], flat_u32)))):
+        targets.append(CompileTarget(f"gemv_group_verify stage_tokens[K 3584, {name}]",
+                                     build_stage(3584, 32 * DECODE.warps, eps),
+                                     types.void(activations, flat_u32), ("dp4a.u32.u32", "shfl.sync.bfly.b32",
+                                                                          "prmt.b32")))
     return targets
 
 

@@ -52,3 +52,22 @@ def test_group_gemv_matches_float64(k, setting, grid):
     assert np.all(np.abs(got - exact) <= float_bound), np.max(np.abs(got - exact) / float_bound)
     expected, bound = group_bound(qweight, scales, x)
     assert np.all(np.abs(got - expected) <= bound + U32 * np.abs(h) * 2)
+
+
+def test_group_gemv_fused_rmsnorm_within_bound():
+    """Gaussian h, eps 1e-6, against float64 RMSNorm(h) * weight then W xn: xn stays float32 until
+    it is quantized, so its error is the float32 steps' (< 8 u32 relative, the product's fused
+    norm's figure), passed to group_bound as input_error."""
+    rng = np.random.default_rng()
+    n, k, eps = 16, 1536, 1e-6
+    qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
+    h = (3.0 * rng.standard_normal(k)).astype(np.float32)
+    weight = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float16)
+    h64 = h.astype(np.float64)
+    xn = h64 / np.sqrt(np.mean(h64**2) + eps) * weight.astype(np.float64)
+    gemv = GroupGemv(n, k, qweight, scales, 1, Setting(rows=2, warps=2, blocks_per_sm=1, depth=2, unit_rows=2),
+                     norm_weight=weight, norm_eps=eps)
+    out = cuda.to_device(np.zeros(n, np.float32))
+    gemv.launch(0, cuda.to_device(h), out)
+    expected, bound = group_bound(qweight, scales, xn, input_error=8 * U32 * np.abs(xn))
+    assert np.all(np.abs(out.copy_to_host() - expected) <= bound)

@@ -28,27 +28,31 @@ def test_leaves_follow_the_butterfly():
     assert sorted(leaf_order(28)) == list(range(28))
 
 
-@pytest.mark.parametrize("k, tokens, warps, depth, columns, grid, unit_rows", [
-    (512, 1, 1, 4, 1, 1, 1),
-    (512, 9, 2, 2, 2, 1, 2),
-    (1536, 16, 1, 3, 2, 2, 1),
-    (1536, 3, 2, 4, 1, 2, 2),
-    (4096, 9, 1, 1, 4, 1, 1),
+@pytest.mark.parametrize("k, tokens, warps, depth, columns, grid, unit_rows, norm", [
+    (512, 1, 1, 4, 1, 1, 1, False),
+    (512, 9, 2, 2, 2, 1, 2, True),
+    (1536, 16, 1, 3, 2, 2, 1, False),
+    (1536, 3, 2, 4, 1, 2, 2, True),
+    (4096, 9, 1, 1, 4, 1, 1, False),
 ])
-def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, columns, grid, unit_rows):
+def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, columns, grid, unit_rows, norm):
+    """norm: both read RMSNorm(h) * weight of float32 h, the decode GEMV in its blocks, the verify's
+    staging kernel at the decode block's thread count (the sum of h^2 is in that order)."""
     rng = np.random.default_rng()
     qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
-    x = (rng.standard_normal((tokens, k)) * np.repeat(rng.uniform(0.01, 4, (tokens, k // 128)), 128, 1)).astype(
-        np.float16)
+    x = (rng.standard_normal((tokens, k)) * np.repeat(rng.uniform(0.01, 4, (tokens, k // 128)), 128, 1))
+    x = x.astype(np.float32 if norm else np.float16)
+    weight, eps = ((1 + 0.3 * rng.standard_normal(k)).astype(np.float16), 1e-6) if norm else (None, None)
     h = rng.standard_normal((tokens, N)).astype(np.float32)
     decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=unit_rows, warps=1, blocks_per_sm=1, depth=2,
-                                                               unit_rows=unit_rows))
+                                                               unit_rows=unit_rows), norm_weight=weight, norm_eps=eps)
     alone = []
     for m in range(tokens):
         out = cuda.to_device(h[m])
         decode.launch(0, cuda.to_device(x[m]), out)
         alone.append(out.copy_to_host())
-    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth, columns))
+    verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth, columns), decode_warps=1,
+                         norm_weight=weight, norm_eps=eps)
     out = cuda.to_device(h)
     verify.launch(0, cuda.to_device(x), out)
     got = out.copy_to_host()
