@@ -54,16 +54,19 @@ first ones requested before griddepcontrol.wait (the weights do not depend on th
 kernel), launch_dependents once a thread has issued its last load: the product's pipeline.
 
 Not the default: not measured (written 2026-12-05 without a GPU; tests/sim/test_gemv_group_sim.py
-checks it against float64 in the simulator). Residual epilogue only (out += W x, the form of o_proj
-and down_proj, and of dev/gemv_mma.py), with or without the product's fused RMSNorm of h in the
-staging (qkv's and gate_up's input), no RoPE or gate/up epilogue. `python dev/gemv_group.py` on
-the GPU checks it against float64 and times it against the product.
+checks it against float64 in the simulator). Two epilogues: the residual one (out += W x, the form
+of o_proj and down_proj, and of dev/gemv_mma.py) and the gate/up projection's (out float16 =
+silu(Wg x) * (Wu x), the product's expression; a unit then holds its rows of both matrices, which
+share its x loads); with or without the product's fused RMSNorm of h in the staging (qkv's and
+gate_up's input); no RoPE epilogue. `python dev/gemv_group.py` on the GPU checks it against
+float64 and times it against the product.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -172,23 +175,28 @@ def group_stager(k: int, threads: int, norm_eps: float | None = None):
 
 
 @functools.cache
-def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = None):
-    """gemv(qweight, scales, activations, out): out[N] += W x; qweight uint32 [N*K/8] and scales
-    float16 [N*K/128] flat (ValueShuffle), activations as group_stager takes them (x float16 [K]
-    as uint32 pairs, or with norm_eps h float32 [K] and the norm weight), out float32 [N]."""
+def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = None, silu: bool = False):
+    """gemv(q0, s0, q1, s1, activations, out): out[N] += W x (out float32), or with silu the
+    gate/up projection out[N] = silu(Wg x) * (Wu x) (out float16, Wg = q0/s0, Wu = q1/s1; without
+    it pass q0/s0 twice); q uint32 [N*K/8] and s float16 [N*K/128] flat (ValueShuffle),
+    activations as group_stager takes them (x float16 [K] as uint32 pairs, or with norm_eps h
+    float32 [K] and the norm weight). With silu each unit holds its rows of both matrices, which
+    share its x loads."""
     check_shape(n, k, setting)
     rows, warps, depth, unit_rows = setting.rows, setting.warps, setting.depth, setting.unit_rows
     threads = 32 * warps
     groups = U(k // GROUP_SIZE)
     units = U(rows // unit_rows * (k // GROUP_SIZE))  # of a tile
     words_per_row = U(k // 8)
-    slot_words = UNIT_WORDS * unit_rows
+    matrices = 2 if silu else 1
+    lines = matrices * unit_rows  # a unit's rows of every matrix: line l = matrix l // P, row l % P
+    slot_words = UNIT_WORDS * lines
     steps = U(-(-int(units) // 32))
     tiles = U(n // rows)
     total_warps = U(grid * warps)
     shared_words = RECORD * (k // GROUP_SIZE)
     stage = group_stager(k, threads, norm_eps)
-    partial_shape = (warps, rows * 32)
+    partial_shape = (warps, matrices * rows * 32)  # [matrix][row of the tile][lane]
 
     @cuda.jit(device=True, inline="always")
     def advance(cursor, step):
@@ -199,35 +207,37 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
         return cursor, step
 
     @cuda.jit(device=True, inline="always")
-    def load(q, s, warp_id, lane, cursor, step, valid, words, scl):
+    def load(q0, s0, q1, s1, warp_id, lane, cursor, step, valid, words, scl):
         """Unit lane + 32 step of the warp's tile number `cursor` into a slot: its group of each of
-        its unit_rows rows (rows lie one after the other in qweight, so with one row a unit the
-        tile's units are one flat run)."""
+        its unit_rows rows of each matrix (rows lie one after the other in qweight, so with one row a
+        unit the tile's units are one flat run)."""
         if valid:
             u = U(lane + U(U(32) * step))
             if u < units:
                 first = U(U(U(warp_id + U(cursor * total_warps)) * U(rows)) + U(U(u // groups) * U(unit_rows)))
                 group = U(u % groups)
-                for p in range(unit_rows):
-                    at = U(U(U(first + U(p)) * words_per_row) + U(U(UNIT_WORDS) * group))
+                for line in range(lines):
+                    q, s = (q0, s0) if line < unit_rows else (q1, s1)
+                    row = U(first + U(line % unit_rows))
+                    at = U(U(row * words_per_row) + U(U(UNIT_WORDS) * group))
                     for j in range(4):
-                        w = UNIT_WORDS * p + 4 * j
+                        w = UNIT_WORDS * line + 4 * j
                         words[w], words[w + 1], words[w + 2], words[w + 3] = ld_global_nc_v4_u32(q, U(at + U(4 * j)))
-                    scl[p] = s[U(U(U(first + U(p)) * groups) + group)]
+                    scl[line] = s[U(U(row * groups) + group)]
 
     @cuda.jit(device=True, inline="always")
     def multiply(words, scl, group, xs, acc):
-        """acc[p] + this unit's group of its row p times x_G (module docstring), one FMA a row; the
-        x record is read once for all the unit's rows."""
+        """acc[l] + this unit's group of its line l times x_G (module docstring), one FMA a line;
+        the x record is read once for all the unit's lines."""
         record = U(U(RECORD) * group)
         offset = int32(xs[U(record + U(OFFSET_WORD))])
-        lows = cuda.local.array(unit_rows, int32)
-        highs = cuda.local.array(unit_rows, int32)
-        for p in range(unit_rows):
+        lows = cuda.local.array(lines, int32)
+        highs = cuda.local.array(lines, int32)
+        for p in range(lines):
             lows[p], highs[p] = offset, int32(0)
         for j in range(16):  # word j of the unit: chunk j // 4, word j % 4 of the chunk
             x0, x1, x2, x3 = ld_shared_v4_u32(xs, U(record + U(4 * j)))
-            for p in range(unit_rows):
+            for p in range(lines):
                 word = words[UNIT_WORDS * p + j]
                 weights_a = word & NIBBLE_BYTES  # weights 0, 1, 4, 5 of the word's 8
                 weights_b = (word >> U(4)) & NIBBLE_BYTES  # weights 2, 3, 6, 7
@@ -236,51 +246,60 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
                 lows[p] = dp4a_uu(weights_b, x2, lows[p])
                 highs[p] = dp4a_us(weights_b, x3, highs[p])
         x_scale = bits_float(xs[U(record + U(SCALE_WORD))])
-        for p in range(unit_rows):
+        for p in range(lines):
             dot = int32(highs[p] * int32(256) + lows[p])
             acc[p] = cuda.fma(float32(dot), float32(scl[p]) * x_scale, acc[p])
 
     @cuda.jit(device=True, inline="always")
     def compute(warp_id, lane, cursor, step, valid, words, scl, xs, parked, acc, acc_row, out):
         """Add the item (cursor, step), already in this slot; at the tile's last step, sum its rows.
-        acc[p] is this lane's sum of row p of the tile's unit row block acc_row[0], parked its
+        acc[l] is this lane's sum of line l of the tile's unit row block acc_row[0], parked its
         column of the warp's partials."""
         if valid:
             u = U(lane + U(U(32) * step))
             if u < units:
                 block = U(u // groups)
                 if block != acc_row[0]:
-                    for p in range(unit_rows):
-                        parked[U(U(U(U(acc_row[0] * U(unit_rows)) + U(p)) * U(32)) + lane)] = acc[p]
-                        acc[p] = float32(0)
+                    park(parked, acc, acc_row, lane)
                     acc_row[0] = block
                 multiply(words, scl, U(u % groups), xs, acc)
             if step == U(steps - U(1)):
-                for p in range(unit_rows):
-                    parked[U(U(U(U(acc_row[0] * U(unit_rows)) + U(p)) * U(32)) + lane)] = acc[p]
-                    acc[p] = float32(0)
+                park(parked, acc, acc_row, lane)
                 acc_row[0] = U(0)
                 first = U(U(warp_id + U(cursor * total_warps)) * U(rows))
                 for r in range(rows):
                     at = U(U(r * 32) + lane)
                     total = warp_sum(parked[at])
                     parked[at] = float32(0)
-                    if lane == U(r):
+                    if silu:
+                        up = warp_sum(parked[U(at + U(rows * 32))])
+                        parked[U(at + U(rows * 32))] = float32(0)
+                        if lane == U(r):  # the product's silu epilogue (kernels/gemv_int4_kernel.py)
+                            out[U(first + U(r))] = total / (float32(1) + math.exp(-total)) * up
+                    elif lane == U(r):
                         out[U(first + U(r))] += total
 
+    @cuda.jit(device=True, inline="always")
+    def park(parked, acc, acc_row, lane):
+        """The lane's sums of the unit row block acc_row[0] into its column of the partials; acc restarts."""
+        for line in range(lines):
+            row = U(U(acc_row[0] * U(unit_rows)) + U(line % unit_rows))
+            parked[U(U(U(U(U(line // unit_rows) * U(rows)) + row) * U(32)) + lane)] = acc[line]
+            acc[line] = float32(0)
+
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, setting.blocks_per_sm)}))
-    def gemv(q, s, activations, out):
+    def gemv(q0, s0, q1, s1, activations, out):
         xs = cuda.shared.array(shared_words, uint32, alignment=SHARED_ALIGNMENT)
         partials = cuda.shared.array(partial_shape, float32)
         words0 = cuda.local.array(slot_words, uint32)
         words1 = cuda.local.array(slot_words, uint32)
         words2 = cuda.local.array(slot_words, uint32)
         words3 = cuda.local.array(slot_words, uint32)
-        scl0 = cuda.local.array(unit_rows, types.float16)
-        scl1 = cuda.local.array(unit_rows, types.float16)
-        scl2 = cuda.local.array(unit_rows, types.float16)
-        scl3 = cuda.local.array(unit_rows, types.float16)
-        acc = cuda.local.array(unit_rows, float32)
+        scl0 = cuda.local.array(lines, types.float16)
+        scl1 = cuda.local.array(lines, types.float16)
+        scl2 = cuda.local.array(lines, types.float16)
+        scl3 = cuda.local.array(lines, types.float16)
+        acc = cuda.local.array(lines, float32)
         acc_row = cuda.local.array(1, uint32)
         lane = U(cuda.laneid)
         warp = U(U(cuda.threadIdx.x) // U(32))
@@ -292,16 +311,16 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
         cursor1, step1 = advance(cursor0, step0)
         cursor2, step2 = advance(cursor1, step1)
         cursor3, step3 = advance(cursor2, step2)
-        load(q, s, warp_id, lane, cursor0, step0, U(0) < items, words0, scl0)
+        load(q0, s0, q1, s1, warp_id, lane, cursor0, step0, U(0) < items, words0, scl0)
         if depth >= 2:
-            load(q, s, warp_id, lane, cursor1, step1, U(1) < items, words1, scl1)
+            load(q0, s0, q1, s1, warp_id, lane, cursor1, step1, U(1) < items, words1, scl1)
         if depth >= 3:
-            load(q, s, warp_id, lane, cursor2, step2, U(2) < items, words2, scl2)
+            load(q0, s0, q1, s1, warp_id, lane, cursor2, step2, U(2) < items, words2, scl2)
         if depth >= 4:
-            load(q, s, warp_id, lane, cursor3, step3, U(3) < items, words3, scl3)
-        for r in range(rows):
+            load(q0, s0, q1, s1, warp_id, lane, cursor3, step3, U(3) < items, words3, scl3)
+        for r in range(matrices * rows):
             parked[U(U(r * 32) + lane)] = float32(0)
-        for p in range(unit_rows):
+        for p in range(lines):
             acc[p] = float32(0)
         acc_row[0] = U(0)
         grid_dependency_wait()
@@ -312,25 +331,25 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
             compute(warp_id, lane, cursor0, step0, item < items, words0, scl0, xs, parked, acc, acc_row, out)
             for _ in range(depth):
                 cursor0, step0 = advance(cursor0, step0)
-            load(q, s, warp_id, lane, cursor0, step0, U(item + U(depth)) < items, words0, scl0)
+            load(q0, s0, q1, s1, warp_id, lane, cursor0, step0, U(item + U(depth)) < items, words0, scl0)
             if depth >= 2:
                 compute(warp_id, lane, cursor1, step1, U(item + U(1)) < items, words1, scl1, xs, parked, acc,
                         acc_row, out)
                 for _ in range(depth):
                     cursor1, step1 = advance(cursor1, step1)
-                load(q, s, warp_id, lane, cursor1, step1, U(item + U(depth + 1)) < items, words1, scl1)
+                load(q0, s0, q1, s1, warp_id, lane, cursor1, step1, U(item + U(depth + 1)) < items, words1, scl1)
             if depth >= 3:
                 compute(warp_id, lane, cursor2, step2, U(item + U(2)) < items, words2, scl2, xs, parked, acc,
                         acc_row, out)
                 for _ in range(depth):
                     cursor2, step2 = advance(cursor2, step2)
-                load(q, s, warp_id, lane, cursor2, step2, U(item + U(depth + 2)) < items, words2, scl2)
+                load(q0, s0, q1, s1, warp_id, lane, cursor2, step2, U(item + U(depth + 2)) < items, words2, scl2)
             if depth >= 4:
                 compute(warp_id, lane, cursor3, step3, U(item + U(3)) < items, words3, scl3, xs, parked, acc,
                         acc_row, out)
                 for _ in range(depth):
                     cursor3, step3 = advance(cursor3, step3)
-                load(q, s, warp_id, lane, cursor3, step3, U(item + U(depth + 3)) < items, words3, scl3)
+                load(q0, s0, q1, s1, warp_id, lane, cursor3, step3, U(item + U(depth + 3)) < items, words3, scl3)
             item = U(item + U(depth))
             if not triggered and U(item + U(depth)) >= items:
                 launch_dependents()  # this thread has issued its last load
@@ -343,15 +362,19 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
 
 class GroupGemv:
     """out[N] += W x with lanes owning weight groups, for one INT4 linear (module docstring); with
-    norm_weight and norm_eps, x = RMSNorm(h) * norm_weight computed while staging."""
+    up_q/up_s, the gate/up projection out float16 [N] = silu(W x) * (W_up x); with norm_weight and
+    norm_eps, x = RMSNorm(h) * norm_weight computed while staging."""
 
-    def __init__(self, n, k, qweight, scales, grid, setting, norm_weight=None, norm_eps=None):
+    def __init__(self, n, k, qweight, scales, grid, setting, norm_weight=None, norm_eps=None, up_q=None, up_s=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.grid, self.warps = n, k, grid, setting.warps
-        self.kernel = build(n, k, grid, setting, None if norm_eps is None else float(norm_eps))
+        silu = up_q is not None
+        self.kernel = build(n, k, grid, setting, None if norm_eps is None else float(norm_eps), silu)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
+        self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8) if silu else self.qweight
+        self.up_s = on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE) if silu else self.scales
         self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
 
     def activations(self, x):
@@ -361,11 +384,12 @@ class GroupGemv:
         return (x.reshape(self.k), self.norm_weight.view(np.uint32))
 
     def launch(self, stream, x, out) -> None:
-        """out float32 [N] += W x, x float16 [K] (or h float32 [K] with a norm) on the device."""
+        """out float32 [N] += W x (or, gate/up, out float16 [N] = silu(W x) * (W_up x)), x float16
+        [K] (or h float32 [K] with a norm) on the device."""
         from pynanoqwen.launch import launch
 
         launch(self.kernel, self.grid, 32 * self.warps, stream,
-               (self.qweight, self.scales, self.activations(x), out.reshape(self.n)))
+               (self.qweight, self.scales, self.up_q, self.up_s, self.activations(x), out.reshape(self.n)))
 
 
 def scales_of(x: np.ndarray) -> np.ndarray:
@@ -460,19 +484,28 @@ def timings(replays: int = 20) -> list[dict]:
     return residual_gemv_timings(SHAPES, variants, replays)
 
 
-SIGNATURE = types.void(types.uint32[::1], types.float16[::1], types.UniTuple(types.uint32[::1], 1),
-                       types.float32[::1])
+SIGNATURE = types.void(types.uint32[::1], types.float16[::1], types.uint32[::1], types.float16[::1],
+                       types.UniTuple(types.uint32[::1], 1), types.float32[::1])
 
 
 def compile_targets():
-    """Every 7B shape at R2 W8 B2 D4, R8 W8 B2 D2 and R2 W8 B2 D2 P2 on 132 SMs, for tests/test_dev_variants.py."""
+    """Every 7B shape at R2 W8 B2 D4, R8 W8 B2 D2 and R2 W8 B2 D2 P2 on 132 SMs, and the gate/up
+    projection with the fused RMSNorm at R1 W8 B2 D2, for tests/test_dev_variants.py."""
     from pynanoqwen.kernels import CompileTarget
 
     must = ("dp4a.u32.u32", "dp4a.u32.s32", "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32",
             "shfl.sync.bfly.b32", "griddepcontrol.wait", "griddepcontrol.launch_dependents")
-    return [CompileTarget(f"gemv_group[{name} {label(setting)}]", build(n, k, grid_for(n, setting, 132), setting),
-                          SIGNATURE, must)
-            for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3] + SETTINGS[4:5]]
+    targets = [CompileTarget(f"gemv_group[{name} {label(setting)}]", build(n, k, grid_for(n, setting, 132), setting),
+                             SIGNATURE, must)
+               for name, (n, k) in SHAPES.items() for setting in SETTINGS[1:3] + SETTINGS[4:5]]
+    flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
+    normed = types.Tuple((types.float32[::1], flat_u32))
+    setting = Setting(1, 8, 2, 2)
+    targets.append(CompileTarget(f"gemv_group[gate_up 18944x3584 {label(setting)}, silu, fused rmsnorm]",
+                                 build(18944, 3584, grid_for(18944, setting, 132), setting, 1e-6, True),
+                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, normed, flat_f16),
+                                 must + ("ex2.approx",)))
+    return targets
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ replay's bookkeeping are the rest. PTX is no guide here: the compiled loop body 
 prefetch branches and every level of the stack, and its movs (the stack's and slots' phis) are
 half its length. The GPU run decides (`timings`).
 
-Scope (a dev variant): residual epilogue only; replays gemv_group with a tile of one unit (R = P)
+Scope (a dev variant): the residual and the gate/up epilogues (gate and up in column tiles of their
+own, so that a lane holds both sums of a (token, row)); replays gemv_group with a tile of one unit (R = P)
 and K <= 4096 (then every row's leaves are the same lanes; a longer K makes a lane's partial a
 chain of FMAs, which the same stack takes with a chain per leaf, not built); the whole of every
 token's x staged in each block's shared memory (K/128 x 68 x 4 bytes a token: 122 KB for 16 tokens
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -127,10 +129,12 @@ LEAF_LANES = [int(f"{i:05b}"[::-1], 2) for i in range(32)]  # leaf i of warp_sum
 
 
 @functools.cache
-def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
-    """verify(q, s, records, out): out[m N + row] += W x_m for m < tokens; q/s as gemv_group,
-    records from stage_tokens, out float32 [tokens N]. Replays gemv_group's tile of one unit for
-    K <= 4096."""
+def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool = False):
+    """verify(q0, s0, q1, s1, records, out): out[m N + row] += W x_m for m < tokens (out float32
+    [tokens N]), or with silu the gate/up projection out[m N + row] = silu(Wg x_m) * (Wu x_m) (out
+    float16; Wg = q0/s0, Wu = q1/s1, which take column tiles of their own: a lane then holds both
+    of a (token, row)); q/s as gemv_group, records from stage_tokens. Replays gemv_group's tile of
+    one unit for K <= 4096."""
     groups_count = k // GROUP_SIZE
     columns = setting.column_tiles
     rows_per_warp = TILE_ROWS * columns
@@ -152,32 +156,35 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
     leaf_of_item = np.array([LEAF_LANES.index(int(group)) for group in order], np.uint32)
     # zero leaves (lanes without a group) to push after each item, before the next item's leaf
     zeros_after = np.diff(np.append(leaf_of_item, 32)).astype(np.uint32) - np.uint32(1)
-    pairs = 4 * columns  # (token, row) sums a lane holds: tokens g, g + 8 x rows 2t, 2t + 1 of each column tile
-    slot_words, slot_scales = 4 * columns * depth, 2 * columns * depth
+    cols = (2 if silu else 1) * columns  # column tile j: matrix j // columns, rows 8 (j % columns) ..
+    pairs = 4 * cols  # (token, row) sums a lane holds: tokens g, g + 8 x rows 2t, 2t + 1 of each column tile
+    slot_words, slot_scales = 4 * cols * depth, 2 * cols * depth
     stack_words = LEVELS * pairs
 
     @cuda.jit(device=True, inline="always")
-    def load_item(q, s, tile, item, g, t, words, scl, d):
-        """Item `item` of a warp tile (its group order[item]) into slot d: for each column tile c,
-        row 8c + g's words 4t..4t+3 of the group and the scales of rows 8c + 2t and 8c + 2t + 1."""
+    def load_item(q0, s0, q1, s1, tile, item, g, t, words, scl, d):
+        """Item `item` of a warp tile (its group order[item]) into slot d: for each column tile j,
+        row 8 (j % columns) + g's words 4t..4t+3 of the group and the scales of rows 8 (j % columns)
+        + 2t and + 2t + 1, of matrix j // columns."""
         group = order[item]
         first = U(tile * U(rows_per_warp))
-        for c in range(columns):
-            row = U(U(first + U(TILE_ROWS * c)) + g)
+        for j in range(cols):
+            q, s = (q0, s0) if j < columns else (q1, s1)
+            row = U(U(first + U(TILE_ROWS * (j % columns))) + g)
             at = U(U(row * words_per_row) + U(U(U(16) * group) + U(U(4) * t)))
-            w = 4 * (columns * d + c)
+            w = 4 * (cols * d + j)
             words[w], words[w + 1], words[w + 2], words[w + 3] = ld_global_nc_v4_u32(q, at)
-            pair_row = U(U(first + U(TILE_ROWS * c)) + U(U(2) * t))
-            scl[2 * (columns * d + c)] = s[U(U(pair_row * groups) + group)]
-            scl[2 * (columns * d + c) + 1] = s[U(U(U(pair_row + U(1)) * groups) + group)]
+            pair_row = U(U(first + U(TILE_ROWS * (j % columns))) + U(U(2) * t))
+            scl[2 * (cols * d + j)] = s[U(U(pair_row * groups) + group)]
+            scl[2 * (cols * d + j) + 1] = s[U(U(U(pair_row + U(1)) * groups) + group)]
 
     @cuda.jit(device=True, inline="always")
-    def prefetch(q, s, tile, item, g, t, words, scl, d):
+    def prefetch(q0, s0, q1, s1, tile, item, g, t, words, scl, d):
         """Slot d gets the item `item`, which may be in the warp's next tile."""
         if item < groups:
-            load_item(q, s, tile, item, g, t, words, scl, d)
+            load_item(q0, s0, q1, s1, tile, item, g, t, words, scl, d)
         elif U(tile + total_warps) < tiles:
-            load_item(q, s, U(tile + total_warps), U(item - groups), g, t, words, scl, d)
+            load_item(q0, s0, q1, s1, U(tile + total_warps), U(item - groups), g, t, words, scl, d)
 
     @cuda.jit(device=True, inline="always")
     def leaves(records, group, g, t, words, scl, d, leaf):
@@ -194,14 +201,14 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         off0, off1 = int32(records[U(base0 + U(OFFSET_WORD))]), int32(records[U(base1 + U(OFFSET_WORD))])
         lows = cuda.local.array(pairs, int32)
         highs = cuda.local.array(pairs, int32)
-        for c in range(columns):
+        for c in range(cols):
             lows[4 * c], lows[4 * c + 1], lows[4 * c + 2], lows[4 * c + 3] = off0, off0, off1, off1
             highs[4 * c], highs[4 * c + 1], highs[4 * c + 2], highs[4 * c + 3] = 0, 0, 0, 0
         for chunk in range(4):
             lo_a0, hi_a0, lo_b0, hi_b0 = ld_shared_v4_u32(records, U(base0 + U(U(U(16) * t) + U(4 * chunk))))
             lo_a1, hi_a1, lo_b1, hi_b1 = ld_shared_v4_u32(records, U(base1 + U(U(U(16) * t) + U(4 * chunk))))
-            for c in range(columns):
-                word = words[4 * (columns * d + c) + chunk]
+            for c in range(cols):
+                word = words[4 * (cols * d + c) + chunk]
                 b0 = word & NIBBLE_BYTES
                 b1 = (word >> U(4)) & NIBBLE_BYTES
                 lows[4 * c], lows[4 * c + 1], lows[4 * c + 2], lows[4 * c + 3] = mma_m16n8k32_u8u8(
@@ -212,8 +219,8 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         x_scale0 = bits_float(records[U(base0 + U(SCALE_WORD))])
         x_scale1 = bits_float(records[U(base1 + U(SCALE_WORD))])
         zero = float32(0)
-        for c in range(columns):
-            w0, w1 = float32(scl[2 * (columns * d + c)]), float32(scl[2 * (columns * d + c) + 1])
+        for c in range(cols):
+            w0, w1 = float32(scl[2 * (cols * d + c)]), float32(scl[2 * (cols * d + c) + 1])
             for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
                 scale = (w0 if e % 2 == 0 else w1) * (x_scale0 if e < 2 else x_scale1)
                 dot = int32(highs[4 * c + e] * int32(256) + lows[4 * c + e])
@@ -237,12 +244,12 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
                     carry = False
 
     @cuda.jit(device=True, inline="always")
-    def step(q, s, records, tile, item, g, t, words, scl, d, leaf, stack):
+    def step(q0, s0, q1, s1, records, tile, item, g, t, words, scl, d, leaf, stack):
         """Item `item` (in slot d): its leaves into the stack, then the zero leaves of the lanes
         without a group that follow it; slot d then requests the item `depth` on."""
         group = order[item]
         leaves(records, group, g, t, words, scl, d, leaf)
-        prefetch(q, s, tile, U(item + U(depth)), g, t, words, scl, d)
+        prefetch(q0, s0, q1, s1, tile, U(item + U(depth)), g, t, words, scl, d)
         i = leaf_of_item[item]
         push(stack, leaf, i)
         for z in range(zeros_after[item]):
@@ -251,7 +258,7 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
             push(stack, leaf, U(U(i + U(1)) + U(z)))
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, 1)}))
-    def verify(q, s, records_global, out):
+    def verify(q0, s0, q1, s1, records_global, out):
         records = cuda.shared.array(0, uint32)  # dynamic: the tokens' records
         lane = U(cuda.laneid)
         g, t = U(lane // U(4)), U(lane % U(4))
@@ -261,13 +268,13 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         leaf = cuda.local.array(pairs, float32)
         stack = cuda.local.array(stack_words, float32)
         if warp_id < tiles:  # the weights do not depend on the kernel before: request them first
-            load_item(q, s, warp_id, U(0), g, t, words, scl, 0)
+            load_item(q0, s0, q1, s1, warp_id, U(0), g, t, words, scl, 0)
             if depth >= 2:
-                load_item(q, s, warp_id, U(1), g, t, words, scl, 1)
+                load_item(q0, s0, q1, s1, warp_id, U(1), g, t, words, scl, 1)
             if depth >= 3:
-                load_item(q, s, warp_id, U(2), g, t, words, scl, 2)
+                load_item(q0, s0, q1, s1, warp_id, U(2), g, t, words, scl, 2)
             if depth >= 4:
-                load_item(q, s, warp_id, U(3), g, t, words, scl, 3)
+                load_item(q0, s0, q1, s1, warp_id, U(3), g, t, words, scl, 3)
         grid_dependency_wait()
         i = U(cuda.threadIdx.x)
         while i < quads:
@@ -280,23 +287,26 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
         while tile < tiles:
             item = U(0)
             while item < groups:  # one call a slot, so that each slot's index is a constant
-                step(q, s, records, tile, item, g, t, words, scl, 0, leaf, stack)
+                step(q0, s0, q1, s1, records, tile, item, g, t, words, scl, 0, leaf, stack)
                 if depth >= 2:
-                    step(q, s, records, tile, U(item + U(1)), g, t, words, scl, 1, leaf, stack)
+                    step(q0, s0, q1, s1, records, tile, U(item + U(1)), g, t, words, scl, 1, leaf, stack)
                 if depth >= 3:
-                    step(q, s, records, tile, U(item + U(2)), g, t, words, scl, 2, leaf, stack)
+                    step(q0, s0, q1, s1, records, tile, U(item + U(2)), g, t, words, scl, 2, leaf, stack)
                 if depth >= 4:
-                    step(q, s, records, tile, U(item + U(3)), g, t, words, scl, 3, leaf, stack)
+                    step(q0, s0, q1, s1, records, tile, U(item + U(3)), g, t, words, scl, 3, leaf, stack)
                 item = U(item + U(depth))
             first = U(tile * U(rows_per_warp))
             for c in range(columns):
                 row0 = U(U(first + U(TILE_ROWS * c)) + U(U(2) * t))
-                if g < t_count:
-                    out[U(U(g * U(n)) + row0)] += leaf[4 * c]
-                    out[U(U(U(g * U(n)) + row0) + U(1))] += leaf[4 * c + 1]
-                if U(g + U(8)) < t_count:
-                    out[U(U(U(g + U(8)) * U(n)) + row0)] += leaf[4 * c + 2]
-                    out[U(U(U(U(g + U(8)) * U(n)) + row0) + U(1))] += leaf[4 * c + 3]
+                for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+                    m = U(g + U(8 * (e // 2)))
+                    if m < t_count:
+                        at = U(U(m * U(n)) + U(row0 + U(e % 2)))
+                        total = leaf[4 * c + e]
+                        if silu:  # the decode GEMV's silu epilogue, its up row in column tile columns + c
+                            out[at] = total / (float32(1) + math.exp(-total)) * leaf[4 * (columns + c) + e]
+                        else:
+                            out[at] += total
             tile = U(tile + total_warps)
         launch_dependents()
 
@@ -305,32 +315,37 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting):
 
 class GroupVerify:
     """out[m, :] += W x_m for `tokens` tokens, each as dev/gemv_group.py's GEMV with `decode_warps`
-    warps a block computes it alone (with norm_weight and norm_eps, x_m = RMSNorm(h_m) * weight)."""
+    warps a block computes it alone (with norm_weight and norm_eps, x_m = RMSNorm(h_m) * weight;
+    with up_q/up_s, the gate/up projection out float16 [tokens, N] = silu(W x_m) * (W_up x_m))."""
 
     def __init__(self, n, k, tokens, qweight, scales, grid, setting, decode_warps=8, norm_weight=None,
-                 norm_eps=None):
+                 norm_eps=None, up_q=None, up_s=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.tokens, self.grid, self.warps = n, k, tokens, grid, setting.warps
+        silu = up_q is not None
         self.stage_threads = 32 * decode_warps
         self.stage = build_stage(k, self.stage_threads, None if norm_eps is None else float(norm_eps))
-        self.kernel = build(n, k, tokens, grid, setting)
+        self.kernel = build(n, k, tokens, grid, setting, silu)
         self.shared = shared_bytes(k, tokens)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
+        self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8) if silu else self.qweight
+        self.up_s = on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE) if silu else self.scales
         self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
         self.records = cuda.device_array(tokens * RECORD * (k // GROUP_SIZE), np.uint32)
 
     def launch(self, stream, x, out) -> None:
-        """out float32 [tokens, N] += (W x_m)_m, x float16 [tokens, K] (or h float32 [tokens, K]
-        with a norm) on the device."""
+        """out float32 [tokens, N] += (W x_m)_m (gate/up: out float16 [tokens, N] = ...), x float16
+        [tokens, K] (or h float32 [tokens, K] with a norm) on the device."""
         from pynanoqwen.launch import launch
 
         flat = x.reshape(self.tokens * self.k)
         activations = (flat.view(np.uint32),) if self.norm_weight is None else (flat, self.norm_weight.view(np.uint32))
         launch(self.stage, self.tokens, self.stage_threads, stream, (activations, self.records))
         launch(self.kernel, self.grid, 32 * self.warps, stream,
-               (self.qweight, self.scales, self.records, out.reshape(self.tokens * self.n)), shared_bytes=self.shared)
+               (self.qweight, self.scales, self.up_q, self.up_s, self.records, out.reshape(self.tokens * self.n)),
+               shared_bytes=self.shared)
 
 
 DECODE = DecodeSetting(rows=1, warps=8, blocks_per_sm=2, depth=4)  # the decode order replayed: one row a tile
@@ -407,12 +422,17 @@ def compile_targets():
     must = ("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32", "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32",
             "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32", "cp.async.cg.shared.global",
             "griddepcontrol.wait")
-    signature = types.void(types.uint32[::1], types.float16[::1], types.uint32[::1], types.float32[::1])
+    flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
+    signature = types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, types.float32[::1])
     targets = [CompileTarget(f"gemv_group_verify[{name} 9 tokens, {SETTING}]",
                              build(n, k, 9, min(132, n // (TILE_ROWS * SETTING.column_tiles) // SETTING.warps),
                                    SETTING), signature, must)
                for name, (n, k) in SHAPES.items()]
-    flat_u32 = types.uint32[::1]
+    gate_up = Setting(SETTING.warps, SETTING.depth, 1)
+    targets.append(CompileTarget(f"gemv_group_verify[gate_up 18944x3584 9 tokens, silu, {gate_up}]",
+                                 build(18944, 3584, 9, 132, gate_up, silu=True),
+                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, flat_f16),
+                                 must + ("ex2.approx",)))
     for name, eps, activations in (("x", None, types.UniTuple(flat_u32, 1)),
                                    ("RMSNorm(h)", 1e-6, types.Tuple((types.float32[::1], flat_u32)))):
         targets.append(CompileTarget(f"gemv_group_verify stage_tokens[K 3584, {name}]",

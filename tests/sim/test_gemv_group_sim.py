@@ -71,3 +71,27 @@ def test_group_gemv_fused_rmsnorm_within_bound():
     gemv.launch(0, cuda.to_device(h), out)
     expected, bound = group_bound(qweight, scales, xn, input_error=8 * U32 * np.abs(xn))
     assert np.all(np.abs(out.copy_to_host() - expected) <= bound)
+
+
+def test_group_gate_up_silu_within_bound():
+    """The gate/up form: out float16 = silu(Wg x) * (Wu x) against float64 of the staged x, with
+    the product's test_gate_up_silu bound: FP16 output rounding, the float32 errors of g and u
+    carried through silu (slope <= 1.1) and the product, and a few u32 of float32 exp, divide and
+    multiply."""
+    rng = np.random.default_rng()
+    n, k = 16, 1536
+    (gate_q, gate_s), (up_q, up_s) = (quantize_int4(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2))
+    wg, wu = dequantize_int4(gate_q, gate_s, np.float64), dequantize_int4(up_q, up_s, np.float64)
+    x = (0.1 * rng.standard_normal(k)).astype(np.float16)  # g and u of a few units: silu not saturated
+    gemv = GroupGemv(n, k, gate_q, gate_s, 2, Setting(rows=2, warps=1, blocks_per_sm=1, depth=2), up_q=up_q, up_s=up_s)
+    out = cuda.to_device(np.full(n, np.nan, np.float16))
+    gemv.launch(0, cuda.to_device(x), out)
+    y = out.copy_to_host().astype(np.float64)
+    staged = staged_activations(x)
+    g, u = wg @ staged, wu @ staged
+    silu = g / (1 + np.exp(-g))
+    expected = silu * u
+    bound = (2.0**-11 + 8 * U32) * np.abs(expected) \
+        + 1.1 * np.abs(u) * (k // 32 + 8) * U32 * (np.abs(wg) @ np.abs(staged)) \
+        + np.abs(silu) * (k // 32 + 8) * U32 * (np.abs(wu) @ np.abs(staged))
+    assert np.all(np.abs(y - expected) <= bound)

@@ -57,3 +57,25 @@ def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, columns, 
     verify.launch(0, cuda.to_device(x), out)
     got = out.copy_to_host()
     assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
+
+
+@pytest.mark.parametrize("k, tokens, norm", [(512, 9, True), (1536, 16, False)])
+def test_verify_gate_up_rows_are_the_decode_bits(k, tokens, norm):
+    """The gate/up form (float16 silu(Wg x) * (Wu x)): gate and up in column tiles of their own, so a
+    lane holds both of a (token, row) and applies the decode epilogue to the same two floats."""
+    rng = np.random.default_rng()
+    (gate_q, gate_s), (up_q, up_s) = (quantize_int4(rng.standard_normal((N, k)).astype(np.float32)) for _ in range(2))
+    x = (0.1 * rng.standard_normal((tokens, k))).astype(np.float32 if norm else np.float16)
+    weight, eps = ((0.1 * (1 + 0.3 * rng.standard_normal(k))).astype(np.float16), 1e-6) if norm else (None, None)
+    decode = GroupGemv(N, k, gate_q, gate_s, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2),
+                       norm_weight=weight, norm_eps=eps, up_q=up_q, up_s=up_s)
+    alone = []
+    for m in range(tokens):
+        out = cuda.to_device(np.zeros(N, np.float16))
+        decode.launch(0, cuda.to_device(x[m]), out)
+        alone.append(out.copy_to_host())
+    verify = GroupVerify(N, k, tokens, gate_q, gate_s, 1, Setting(2, 2, 1), decode_warps=1, norm_weight=weight,
+                         norm_eps=eps, up_q=up_q, up_s=up_s)
+    out = cuda.to_device(np.zeros((tokens, N), np.float16))
+    verify.launch(0, cuda.to_device(x), out)
+    assert np.array_equal(out.copy_to_host(), np.array(alone))
