@@ -4,11 +4,12 @@ token's output bit for bit what dev/gemv_group.py computes for that token alone.
 Why bit for bit. A greedy verify pass is lossless only if every row of its logits is what a decode
 step computes (docs/SPECULATIVE.md); a matrix product that sums in another order gives other
 bits, and over 28 layers another argmax now and then. The group GEMV makes the decode order cheap
-to replay. At one row a tile (R = 1) and K <= 4096 (at most 32 groups a row), lane L of the decode
-warp sums group G = L alone: its partial is fma(float32(dot_G), float32(s_w) * s_G, 0), lanes
-without a group hold 0, and the row is warp_sum's butterfly over the 32 partials (masks 16, 8, 4,
-2, 1). dot_G is an exact integer, so any exact integer arithmetic may compute it; the FMA and the
-butterfly are what has to be replayed.
+to replay. With a tile of one unit (one row, or two rows that share their x loads: R = P), lane L
+of the decode warp sums groups L, L + 32, ... of each row: its partial is a chain of FMAs, acc =
+fma(float32(dot_G), float32(s_w) * s_G, acc) from 0 in increasing G (one FMA for K <= 4096, 4 or 5
+for down_proj's 148 groups), lanes without a group hold 0, and the row is warp_sum's butterfly over
+the 32 partials (masks 16, 8, 4, 2, 1). dot_G is an exact integer, so any exact integer arithmetic
+may compute it; the FMA chains and the butterfly are what has to be replayed.
 
 How. The tokens are the 16 rows of an integer mma (`mma.m16n8k32`, ptx/mma.py), 8 weight rows its
 8 columns:
@@ -44,14 +45,20 @@ replay's bookkeeping are the rest. PTX is no guide here: the compiled loop body 
 prefetch branches and every level of the stack, and its movs (the stack's and slots' phis) are
 half its length. The GPU run decides (`timings`).
 
+Split K. down_proj's x for 16 tokens (18944 inputs) does not fit one SM. The butterfly's leaves in
+bit-reversed order make any aligned run of 32/S leaves a whole subtree, so S blocks can share a
+tile's K, block b taking leaves [32 b / S, 32 (b + 1) / S): the groups of those lanes only, whose
+records it stages (37 of down_proj's 148 at S = 4), and its subtree's sums, which it writes to
+`partials`; `combine` then adds the S sums as the top log2 S levels of the tree do (adjacent pairs
+first). The same bits as one block, by construction.
+
 Scope (a dev variant): the residual and the gate/up epilogues (gate and up in column tiles of their
-own, so that a lane holds both sums of a (token, row)); replays gemv_group with a tile of one unit (R = P)
-and K <= 4096 (then every row's leaves are the same lanes; a longer K makes a lane's partial a
-chain of FMAs, which the same stack takes with a chain per leaf, not built); the whole of every
-token's x staged in each block's shared memory (K/128 x 68 x 4 bytes a token: 122 KB for 16 tokens
-at K = 3584), copied by cp.async from records a first kernel writes (`stage_tokens`, one block a
-token, the same staging function as the decode GEMV, with its fused RMSNorm when the decode GEMV
-has one, at the decode block's thread count). Not in the engine.
+own, so that a lane holds both sums of a (token, row)); replays gemv_group with a tile of one unit
+(R = P); each block stages its split's records of every token in shared memory (K/128 x 68 x 4
+bytes a token without a split: 122 KB for 16 tokens at K = 3584), copied by cp.async from records
+a first kernel writes (`stage_tokens`, one block a token, the same staging function as the decode
+GEMV, with its fused RMSNorm when the decode GEMV has one, at the decode block's thread count). Not
+in the engine.
 """
 
 from __future__ import annotations
@@ -83,8 +90,9 @@ U = np.uint32
 MAX_TOKENS = 16  # the mma's M
 TILE_ROWS = 8  # the mma's N: weight rows a warp computes at once
 # warps a block; depth: groups whose weights a lane has in flight; column_tiles: 8-row mma columns a
-# warp computes from one load of the tokens' x (a warp tile of 8 column_tiles rows).
-Setting = collections.namedtuple("Setting", "warps depth column_tiles", defaults=(4, 1))
+# warp computes from one load of the tokens' x (a warp tile of 8 column_tiles rows); splits: blocks
+# that share a tile's K, each a subtree of warp_sum's tree (so that each stages a part of x).
+Setting = collections.namedtuple("Setting", "warps depth column_tiles splits", defaults=(4, 1, 1))
 LEVELS = 5  # warp_sum's butterfly: masks 16, 8, 4, 2, 1
 
 
@@ -114,59 +122,88 @@ def build_stage(k: int, threads: int, norm_eps: float | None = None):
     return stage_tokens
 
 
-def shared_bytes(k: int, tokens: int) -> int:
-    """The verify kernel's dynamic shared memory: every token's records."""
-    return 4 * tokens * RECORD * (k // GROUP_SIZE)
-
-
-def leaf_order(groups: int) -> np.ndarray:
-    """The groups in the order their leaves enter the butterfly: lane L = bitrev5(i) for i = 0..31,
-    the lanes that own a group (L < groups)."""
-    return np.array([lane for lane in LEAF_LANES if lane < groups], np.uint32)
-
-
 LEAF_LANES = [int(f"{i:05b}"[::-1], 2) for i in range(32)]  # leaf i of warp_sum's tree is lane bitrev5(i)
 
 
 @functools.cache
+def split_items(groups: int, splits: int, depth: int) -> tuple[np.ndarray, ...]:
+    """The items (groups) each split of K computes, in order, as tables [splits, length]: group,
+    whether it starts its leaf's FMA chain, how many leaves to push after it (0 inside a chain; 1 +
+    the lanes without a group that follow), its leaf's index within the split's subtree, and
+    whether it is an item at all (each split's list is padded to a multiple of depth). Split b
+    owns leaves [32 b / S, 32 (b + 1) / S) of warp_sum's tree, a whole subtree: the lanes
+    bitrev5(i) of those leaves and their groups L, L + 32, ... (module docstring)."""
+    per_split = 32 // splits
+    lists = []
+    for b in range(splits):
+        items = []
+        for local in range(per_split):
+            lane = LEAF_LANES[b * per_split + local]
+            chain = list(range(lane, groups, 32))
+            if not chain:  # a lane without a group: a zero leaf after the item before it
+                group_, start, push, leaf, valid = items[-1]
+                items[-1] = (group_, start, push + 1, leaf, valid)
+                continue
+            for j, group in enumerate(chain):
+                items.append((group, int(j == 0), int(j == len(chain) - 1), local, 1))
+        while len(items) % depth:
+            items.append((items[-1][0], 0, 0, 0, 0))
+        lists.append(items)
+    length = max(len(items) for items in lists)
+    tables = np.zeros((5, splits, length), np.uint32)
+    counts = np.zeros(splits, np.uint32)
+    for b, items in enumerate(lists):
+        counts[b] = len(items)
+        tables[:, b, :len(items)] = np.array(items, np.uint32).T
+    return (*tables, counts)
+
+
+def shared_bytes(k: int, tokens: int, splits: int = 1, depth: int = 4) -> int:
+    """The verify kernel's dynamic shared memory: every token's records of one split's groups."""
+    length = split_items(k // GROUP_SIZE, splits, depth)[0].shape[1]
+    return 4 * tokens * RECORD * length
+
+
+@functools.cache
 def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool = False):
-    """verify(q0, s0, q1, s1, records, out): out[m N + row] += W x_m for m < tokens (out float32
-    [tokens N]), or with silu the gate/up projection out[m N + row] = silu(Wg x_m) * (Wu x_m) (out
-    float16; Wg = q0/s0, Wu = q1/s1, which take column tiles of their own: a lane then holds both
-    of a (token, row)); q/s as gemv_group, records from stage_tokens. Replays gemv_group's tile of
-    one unit for K <= 4096."""
+    """verify(q0, s0, q1, s1, records, out, partials): out[m N + row] += W x_m for m < tokens (out
+    float32 [tokens N]), or with silu the gate/up projection out[m N + row] = silu(Wg x_m) * (Wu
+    x_m) (out float16; Wg = q0/s0, Wu = q1/s1, which take column tiles of their own: a lane then
+    holds both of a (token, row)); q/s as gemv_group, records from stage_tokens. With S splits of
+    K (setting.splits > 1) the grid is S x blocks a split, block i computing split i % S of its
+    tiles, whose subtree sums go to partials [S, tokens, N] for `combine` instead of to out.
+    Replays gemv_group's tile of one unit."""
     groups_count = k // GROUP_SIZE
-    columns = setting.column_tiles
+    columns, splits, depth = setting.column_tiles, setting.splits, setting.depth
     rows_per_warp = TILE_ROWS * columns
-    if n % rows_per_warp or k % GROUP_SIZE or not 1 <= groups_count <= 32 or not 1 <= tokens <= MAX_TOKENS \
-            or groups_count % setting.depth or not 1 <= setting.depth <= 4:
-        raise ValueError(f"{n}x{k}, {tokens} tokens, {setting}: N a multiple of {rows_per_warp}, K a multiple of "
-                         f"{GROUP_SIZE} up to 4096 (one group a decode lane), 1..{MAX_TOKENS} tokens, "
-                         f"depth 1..4 dividing K/{GROUP_SIZE}")
-    warps, depth = setting.warps, setting.depth
+    if (n % rows_per_warp or k % GROUP_SIZE or not 1 <= tokens <= MAX_TOKENS or not 1 <= depth <= 4
+            or splits not in (1, 2, 4, 8) or (splits > 1 and (groups_count < 32 or silu)) or grid % splits):
+        raise ValueError(f"{n}x{k}, {tokens} tokens, grid {grid}, {setting}: N a multiple of {rows_per_warp}, K of "
+                         f"{GROUP_SIZE}, 1..{MAX_TOKENS} tokens, depth 1..4, splits 1, 2, 4 or 8 dividing the "
+                         f"grid, more than one only where every decode lane owns a group and without silu")
+    warps = setting.warps
     threads = 32 * warps
     groups = U(groups_count)
     words_per_row = U(k // 8)
     tiles = U(n // rows_per_warp)
-    total_warps = U(grid * warps)
-    record_words = U(RECORD * groups_count)
-    quads = U(tokens * RECORD * groups_count // 4)
+    split_warps = U(grid // splits * warps)  # warps that share one split
+    item_group, item_start, item_push, item_leaf, item_valid, item_counts = split_items(groups_count, splits, depth)
+    length = item_group.shape[1]
+    record_words = U(RECORD * groups_count)  # a token's records in global memory
+    local_words = U(RECORD * length)  # a token's records of one split in shared memory
+    record_copies = U(tokens * length * (RECORD // 4))  # 16-byte copies of one split's records
     t_count = U(tokens)
-    order = leaf_order(groups_count)
-    leaf_of_item = np.array([LEAF_LANES.index(int(group)) for group in order], np.uint32)
-    # zero leaves (lanes without a group) to push after each item, before the next item's leaf
-    zeros_after = np.diff(np.append(leaf_of_item, 32)).astype(np.uint32) - np.uint32(1)
     cols = (2 if silu else 1) * columns  # column tile j: matrix j // columns, rows 8 (j % columns) ..
     pairs = 4 * cols  # (token, row) sums a lane holds: tokens g, g + 8 x rows 2t, 2t + 1 of each column tile
     slot_words, slot_scales = 4 * cols * depth, 2 * cols * depth
     stack_words = LEVELS * pairs
 
     @cuda.jit(device=True, inline="always")
-    def load_item(q0, s0, q1, s1, tile, item, g, t, words, scl, d):
-        """Item `item` of a warp tile (its group order[item]) into slot d: for each column tile j,
-        row 8 (j % columns) + g's words 4t..4t+3 of the group and the scales of rows 8 (j % columns)
-        + 2t and + 2t + 1, of matrix j // columns."""
-        group = order[item]
+    def load_item(q0, s0, q1, s1, b, tile, item, g, t, words, scl, d):
+        """Item `item` of split b of a warp tile into slot d: for each column tile j, row 8 (j %
+        columns) + g's words 4t..4t+3 of the item's group and the scales of rows 8 (j % columns) +
+        2t and + 2t + 1, of matrix j // columns."""
+        group = item_group[b, item]
         first = U(tile * U(rows_per_warp))
         for j in range(cols):
             q, s = (q0, s0) if j < columns else (q1, s1)
@@ -179,25 +216,26 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
             scl[2 * (cols * d + j) + 1] = s[U(U(U(pair_row + U(1)) * groups) + group)]
 
     @cuda.jit(device=True, inline="always")
-    def prefetch(q0, s0, q1, s1, tile, item, g, t, words, scl, d):
+    def prefetch(q0, s0, q1, s1, b, count, tile, item, g, t, words, scl, d):
         """Slot d gets the item `item`, which may be in the warp's next tile."""
-        if item < groups:
-            load_item(q0, s0, q1, s1, tile, item, g, t, words, scl, d)
-        elif U(tile + total_warps) < tiles:
-            load_item(q0, s0, q1, s1, U(tile + total_warps), U(item - groups), g, t, words, scl, d)
+        if item < count:
+            load_item(q0, s0, q1, s1, b, tile, item, g, t, words, scl, d)
+        elif U(tile + split_warps) < tiles:
+            load_item(q0, s0, q1, s1, b, U(tile + split_warps), U(item - count), g, t, words, scl, d)
 
     @cuda.jit(device=True, inline="always")
-    def leaves(records, group, g, t, words, scl, d, leaf):
-        """The decode lane partials of this group (slot d's weights) for tokens g, g + 8 and rows
-        2t, 2t + 1 of every column tile: fma(float32(dot), float32(s_w) * s_G, 0), as gemv_group's
-        first FMA of a row. The tokens' x is read once for all the column tiles."""
+    def chain(records, item, start, g, t, words, scl, d, acc):
+        """The item's dots for tokens g, g + 8 and rows 2t, 2t + 1 of every column tile (slot d's
+        weights), each FMAed onto its decode lane's chain: acc = fma(float32(dot), float32(s_w) *
+        s_G, acc), acc from 0 at a chain's first item, as gemv_group's. The tokens' x (the item's
+        record) is read once for all the column tiles."""
         m0, m1 = g, U(g + U(8))
-        base0 = U(U(m0 * record_words) + U(U(RECORD) * group))
-        base1 = U(U(m1 * record_words) + U(U(RECORD) * group))
+        base0 = U(U(m0 * local_words) + U(U(RECORD) * item))
+        base1 = U(U(m1 * local_words) + U(U(RECORD) * item))
         if m0 >= t_count:  # a padding token: any record will do, its sums are never stored
-            base0 = U(U(RECORD) * group)
+            base0 = U(U(RECORD) * item)
         if m1 >= t_count:
-            base1 = U(U(RECORD) * group)
+            base1 = U(U(RECORD) * item)
         off0, off1 = int32(records[U(base0 + U(OFFSET_WORD))]), int32(records[U(base1 + U(OFFSET_WORD))])
         lows = cuda.local.array(pairs, int32)
         highs = cuda.local.array(pairs, int32)
@@ -218,20 +256,19 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
                     highs[4 * c + 3])
         x_scale0 = bits_float(records[U(base0 + U(SCALE_WORD))])
         x_scale1 = bits_float(records[U(base1 + U(SCALE_WORD))])
-        zero = float32(0)
         for c in range(cols):
             w0, w1 = float32(scl[2 * (cols * d + c)]), float32(scl[2 * (cols * d + c) + 1])
             for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
                 scale = (w0 if e % 2 == 0 else w1) * (x_scale0 if e < 2 else x_scale1)
                 dot = int32(highs[4 * c + e] * int32(256) + lows[4 * c + e])
-                leaf[4 * c + e] = cuda.fma(float32(dot), scale, zero)
+                acc[4 * c + e] = cuda.fma(float32(dot), scale, float32(0) if start else acc[4 * c + e])
 
     @cuda.jit(device=True, inline="always")
     def push(stack, leaf, i):
-        """Leaf i of the butterfly (lane bitrev5(i)'s partial) into the stack of left subtrees:
-        while i's low bits are ones, the pending left sibling is added (left + right, as the
-        lower lane adds its partner in warp_sum; the same bits either way). After leaf 31, leaf
-        holds the sums."""
+        """Leaf i of the butterfly (lane bitrev5(i)'s partial, i within the split's subtree) into the
+        stack of left subtrees: while i's low bits are ones, the pending left sibling is added
+        (left + right, as the lower lane adds its partner in warp_sum; the same bits either way).
+        After the subtree's last leaf, leaf holds its sums."""
         carry = True
         for level in range(LEVELS):
             if carry:
@@ -244,41 +281,54 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
                     carry = False
 
     @cuda.jit(device=True, inline="always")
-    def step(q0, s0, q1, s1, records, tile, item, g, t, words, scl, d, leaf, stack):
-        """Item `item` (in slot d): its leaves into the stack, then the zero leaves of the lanes
-        without a group that follow it; slot d then requests the item `depth` on."""
-        group = order[item]
-        leaves(records, group, g, t, words, scl, d, leaf)
-        prefetch(q0, s0, q1, s1, tile, U(item + U(depth)), g, t, words, scl, d)
-        i = leaf_of_item[item]
-        push(stack, leaf, i)
-        for z in range(zeros_after[item]):
-            for p in range(pairs):
-                leaf[p] = float32(0)
-            push(stack, leaf, U(U(i + U(1)) + U(z)))
+    def step(q0, s0, q1, s1, records, b, count, tile, item, g, t, words, scl, d, acc, leaf, stack):
+        """Item `item` (in slot d) onto its chain; where the chain ends, the chain's sums as a leaf
+        into the stack, then the zero leaves of the lanes without a group that follow; slot d then
+        requests the item `depth` on."""
+        if item_valid[b, item]:
+            chain(records, item, item_start[b, item], g, t, words, scl, d, acc)
+            pushes = item_push[b, item]
+            if pushes:
+                i = item_leaf[b, item]
+                for p in range(pairs):
+                    leaf[p] = acc[p]
+                push(stack, leaf, i)
+                for z in range(U(pushes - U(1))):
+                    for p in range(pairs):
+                        leaf[p] = float32(0)
+                    push(stack, leaf, U(U(i + U(1)) + U(z)))
+        prefetch(q0, s0, q1, s1, b, count, tile, U(item + U(depth)), g, t, words, scl, d)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads, 1)}))
-    def verify(q0, s0, q1, s1, records_global, out):
-        records = cuda.shared.array(0, uint32)  # dynamic: the tokens' records
+    def verify(q0, s0, q1, s1, records_global, out, partials):
+        records = cuda.shared.array(0, uint32)  # dynamic: the tokens' records of this split's groups
         lane = U(cuda.laneid)
         g, t = U(lane // U(4)), U(lane % U(4))
-        warp_id = U(U(U(cuda.blockIdx.x) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
+        b = U(U(cuda.blockIdx.x) % U(splits))
+        warp_id = U(U(U(U(cuda.blockIdx.x) // U(splits)) * U(warps)) + U(U(cuda.threadIdx.x) // U(32)))
+        count = item_counts[b]
         words = cuda.local.array(slot_words, uint32)  # slot d: the weights of item d (mod depth)
         scl = cuda.local.array(slot_scales, types.float16)
+        acc = cuda.local.array(pairs, float32)
         leaf = cuda.local.array(pairs, float32)
         stack = cuda.local.array(stack_words, float32)
         if warp_id < tiles:  # the weights do not depend on the kernel before: request them first
-            load_item(q0, s0, q1, s1, warp_id, U(0), g, t, words, scl, 0)
+            load_item(q0, s0, q1, s1, b, warp_id, U(0), g, t, words, scl, 0)
             if depth >= 2:
-                load_item(q0, s0, q1, s1, warp_id, U(1), g, t, words, scl, 1)
+                load_item(q0, s0, q1, s1, b, warp_id, U(1), g, t, words, scl, 1)
             if depth >= 3:
-                load_item(q0, s0, q1, s1, warp_id, U(2), g, t, words, scl, 2)
+                load_item(q0, s0, q1, s1, b, warp_id, U(2), g, t, words, scl, 2)
             if depth >= 4:
-                load_item(q0, s0, q1, s1, warp_id, U(3), g, t, words, scl, 3)
+                load_item(q0, s0, q1, s1, b, warp_id, U(3), g, t, words, scl, 3)
         grid_dependency_wait()
-        i = U(cuda.threadIdx.x)
-        while i < quads:
-            cp_async_16(records, U(U(4) * i), records_global, U(U(4) * i), U(16))
+        i = U(cuda.threadIdx.x)  # copy (token m, item p, 16 bytes e) of this split's records
+        while i < record_copies:
+            e = U(i % U(RECORD // 4))
+            p = U(U(i // U(RECORD // 4)) % U(length))
+            m = U(i // U(U(RECORD // 4) * U(length)))
+            source = U(U(U(m * record_words) + U(U(RECORD) * item_group[b, p])) + U(U(4) * e))
+            cp_async_16(records, U(U(U(m * local_words) + U(U(RECORD) * p)) + U(U(4) * e)), records_global, source,
+                        U(16))
             i = U(i + U(threads))
         cp_async_commit_group()
         cp_async_wait_group(0)
@@ -286,14 +336,17 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
         tile = warp_id
         while tile < tiles:
             item = U(0)
-            while item < groups:  # one call a slot, so that each slot's index is a constant
-                step(q0, s0, q1, s1, records, tile, item, g, t, words, scl, 0, leaf, stack)
+            while item < count:  # one call a slot, so that each slot's index is a constant
+                step(q0, s0, q1, s1, records, b, count, tile, item, g, t, words, scl, 0, acc, leaf, stack)
                 if depth >= 2:
-                    step(q0, s0, q1, s1, records, tile, U(item + U(1)), g, t, words, scl, 1, leaf, stack)
+                    step(q0, s0, q1, s1, records, b, count, tile, U(item + U(1)), g, t, words, scl, 1, acc, leaf,
+                         stack)
                 if depth >= 3:
-                    step(q0, s0, q1, s1, records, tile, U(item + U(2)), g, t, words, scl, 2, leaf, stack)
+                    step(q0, s0, q1, s1, records, b, count, tile, U(item + U(2)), g, t, words, scl, 2, acc, leaf,
+                         stack)
                 if depth >= 4:
-                    step(q0, s0, q1, s1, records, tile, U(item + U(3)), g, t, words, scl, 3, leaf, stack)
+                    step(q0, s0, q1, s1, records, b, count, tile, U(item + U(3)), g, t, words, scl, 3, acc, leaf,
+                         stack)
                 item = U(item + U(depth))
             first = U(tile * U(rows_per_warp))
             for c in range(columns):
@@ -303,20 +356,48 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
                     if m < t_count:
                         at = U(U(m * U(n)) + U(row0 + U(e % 2)))
                         total = leaf[4 * c + e]
-                        if silu:  # the decode GEMV's silu epilogue, its up row in column tile columns + c
+                        if splits > 1:  # the subtree's sum, for `combine`
+                            partials[U(U(b * U(tokens * n)) + at)] = total
+                        elif silu:  # the decode GEMV's silu epilogue, its up row in column tile columns + c
                             out[at] = total / (float32(1) + math.exp(-total)) * leaf[4 * (columns + c) + e]
                         else:
                             out[at] += total
-            tile = U(tile + total_warps)
+            tile = U(tile + split_warps)
         launch_dependents()
 
     return verify
 
 
+@functools.cache
+def build_combine(n: int, tokens: int, splits: int):
+    """combine(partials, out): out[m N + row] += the top levels of warp_sum's tree over the S
+    subtree sums partials[0..S-1, m, row] (adjacent pairs first), one thread an output."""
+    size = U(tokens * n)
+
+    @cuda.jit
+    def combine(partials, out):
+        at = U(U(U(cuda.blockIdx.x) * U(cuda.blockDim.x)) + U(cuda.threadIdx.x))
+        grid_dependency_wait()
+        if at < size:
+            sums = cuda.local.array(splits, float32)
+            for b in range(splits):
+                sums[b] = partials[U(U(U(b) * size) + at)]
+            width = splits // 2
+            while width >= 1:
+                for b in range(width):
+                    sums[b] = sums[2 * b] + sums[2 * b + 1]
+                width //= 2
+            out[at] += sums[0]
+        launch_dependents()
+
+    return combine
+
+
 class GroupVerify:
     """out[m, :] += W x_m for `tokens` tokens, each as dev/gemv_group.py's GEMV with `decode_warps`
     warps a block computes it alone (with norm_weight and norm_eps, x_m = RMSNorm(h_m) * weight;
-    with up_q/up_s, the gate/up projection out float16 [tokens, N] = silu(W x_m) * (W_up x_m))."""
+    with up_q/up_s, the gate/up projection out float16 [tokens, N] = silu(W x_m) * (W_up x_m)).
+    With setting.splits > 1 a third launch adds the splits' subtree sums (`combine`)."""
 
     def __init__(self, n, k, tokens, qweight, scales, grid, setting, decode_warps=8, norm_weight=None,
                  norm_eps=None, up_q=None, up_s=None):
@@ -327,13 +408,15 @@ class GroupVerify:
         self.stage_threads = 32 * decode_warps
         self.stage = build_stage(k, self.stage_threads, None if norm_eps is None else float(norm_eps))
         self.kernel = build(n, k, tokens, grid, setting, silu)
-        self.shared = shared_bytes(k, tokens)
+        self.combine = build_combine(n, tokens, setting.splits) if setting.splits > 1 else None
+        self.shared = shared_bytes(k, tokens, setting.splits, setting.depth)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
         self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8) if silu else self.qweight
         self.up_s = on_device(up_s, np.float16).reshape(n * k // GROUP_SIZE) if silu else self.scales
         self.norm_weight = None if norm_weight is None else on_device(norm_weight, np.float16)
         self.records = cuda.device_array(tokens * RECORD * (k // GROUP_SIZE), np.uint32)
+        self.partials = cuda.device_array(max(1, setting.splits if self.combine else 0) * tokens * n, np.float32)
 
     def launch(self, stream, x, out) -> None:
         """out float32 [tokens, N] += (W x_m)_m (gate/up: out float16 [tokens, N] = ...), x float16
@@ -342,10 +425,13 @@ class GroupVerify:
 
         flat = x.reshape(self.tokens * self.k)
         activations = (flat.view(np.uint32),) if self.norm_weight is None else (flat, self.norm_weight.view(np.uint32))
+        out = out.reshape(self.tokens * self.n)
         launch(self.stage, self.tokens, self.stage_threads, stream, (activations, self.records))
         launch(self.kernel, self.grid, 32 * self.warps, stream,
-               (self.qweight, self.scales, self.up_q, self.up_s, self.records, out.reshape(self.tokens * self.n)),
+               (self.qweight, self.scales, self.up_q, self.up_s, self.records, out, self.partials),
                shared_bytes=self.shared)
+        if self.combine is not None:
+            launch(self.combine, -(-self.tokens * self.n // 256), 256, stream, (self.partials, out))
 
 
 DECODE = DecodeSetting(rows=1, warps=8, blocks_per_sm=2, depth=4)  # the decode order replayed: one row a tile
@@ -360,7 +446,7 @@ def check(rng, shapes=None, token_counts=(1, 5, 9, 16)):
     from pynanoqwen.oracles import passed
 
     results = []
-    for name, (n, k) in (shapes or {name: SHAPES[name] for name in ("qkv", "o_proj")}).items():
+    for name, (n, k) in (shapes or {name: SHAPES[name] for name in ("qkv", "o_proj", "down_proj")}).items():
         qweight, scales = random_int4(rng, n, k)
         decode_gemv = GroupGemv(n, k, qweight, scales, grid_for(n, DECODE, sm_count()), DECODE)
         for tokens in token_counts:
@@ -371,7 +457,8 @@ def check(rng, shapes=None, token_counts=(1, 5, 9, 16)):
                 out = cuda.to_device(h[m])
                 decode_gemv.launch(0, cuda.to_device(x[m]), out)
                 alone.append(out.copy_to_host())
-            verify = GroupVerify(n, k, tokens, qweight, scales, verify_grid(n, SETTING), SETTING)
+            setting = setting_for(k)
+            verify = GroupVerify(n, k, tokens, qweight, scales, verify_grid(n, setting), setting)
             out = cuda.to_device(h)
             verify.launch(0, cuda.to_device(x), out)
             same = np.array_equal(out.copy_to_host(), np.array(alone))
@@ -380,15 +467,22 @@ def check(rng, shapes=None, token_counts=(1, 5, 9, 16)):
     return results
 
 
-SHAPES = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate+up rows": (37888, 3584)}
+SHAPES = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate+up rows": (37888, 3584), "down_proj": (3584, 18944)}
 SETTING = Setting(warps=8, depth=4, column_tiles=2)  # 122 KB of records at 16 tokens leave one block a SM
+SPLITS = {18944: 4}  # K split between blocks where x does not fit: 40 records a token at down_proj's K
+
+
+def setting_for(k: int, setting: Setting = SETTING) -> Setting:
+    return setting._replace(splits=SPLITS.get(k, 1))
 
 
 def verify_grid(n: int, setting: Setting) -> int:
-    """One block a SM (the records leave room for one), fewer when there are fewer tiles than warps."""
+    """One block a SM (the records leave room for one), fewer when there are fewer tiles than warps;
+    a multiple of the splits."""
     from pynanoqwen.device import sm_count
 
-    return max(1, min(sm_count(), -(-(n // (TILE_ROWS * setting.column_tiles)) // setting.warps)))
+    tiles = n // (TILE_ROWS * setting.column_tiles)
+    return setting.splits * max(1, min(sm_count() // setting.splits, -(-tiles // setting.warps)))
 
 
 def timings(replays: int = 20) -> list[dict]:
@@ -406,7 +500,7 @@ def timings(replays: int = 20) -> list[dict]:
         rows.append({"linear": name, "tokens": 1, "form": "decode (gemv_group R1 W8 B2 D4)", "us a call": one,
                      "ratio": 1.0})
         for tokens in (4, 9, 16):
-            for setting in (SETTING, SETTING._replace(column_tiles=1)):
+            for setting in (setting_for(k), setting_for(k)._replace(column_tiles=1)):
                 us = time_calls(lambda weights, tokens=tokens, setting=setting: GroupVerify(
                     n, k, tokens, *weights[0], verify_grid(n, setting), setting).launch, n, k, tokens,
                     replays=replays)
@@ -423,15 +517,15 @@ def compile_targets():
             "fma.rn.f32", "ld.global.nc.v4.u32", "ld.shared.v4.u32", "cp.async.cg.shared.global",
             "griddepcontrol.wait")
     flat_u32, flat_f16 = types.uint32[::1], types.float16[::1]
-    signature = types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, types.float32[::1])
-    targets = [CompileTarget(f"gemv_group_verify[{name} 9 tokens, {SETTING}]",
-                             build(n, k, 9, min(132, n // (TILE_ROWS * SETTING.column_tiles) // SETTING.warps),
-                                   SETTING), signature, must)
+    flat_f32 = types.float32[::1]
+    signature = types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, flat_f32, flat_f32)
+    targets = [CompileTarget(f"gemv_group_verify[{name} 9 tokens, {setting_for(k)}]",
+                             build(n, k, 9, setting_for(k).splits * 28, setting_for(k)), signature, must)
                for name, (n, k) in SHAPES.items()]
     gate_up = Setting(SETTING.warps, SETTING.depth, 1)
     targets.append(CompileTarget(f"gemv_group_verify[gate_up 18944x3584 9 tokens, silu, {gate_up}]",
                                  build(18944, 3584, 9, 132, gate_up, silu=True),
-                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, flat_f16),
+                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, flat_f16, flat_f32),
                                  must + ("ex2.approx",)))
     for name, eps, activations in (("x", None, types.UniTuple(flat_u32, 1)),
                                    ("RMSNorm(h)", 1e-6, types.Tuple((types.float32[::1], flat_u32)))):

@@ -13,7 +13,7 @@ from numba import cuda
 
 from gemv_group import GroupGemv
 from gemv_group import Setting as DecodeSetting
-from gemv_group_verify import GroupVerify, Setting, leaf_order
+from gemv_group_verify import GroupVerify, Setting, split_items
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.quant import quantize_int4
 
@@ -22,10 +22,16 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 N = 32
 
 
-def test_leaves_follow_the_butterfly():
-    """Leaf order: lanes 0, 16, 8, 24, ... (bit-reversed), those that own a group."""
-    assert list(leaf_order(32)[:8]) == [0, 16, 8, 24, 4, 20, 12, 28]
-    assert sorted(leaf_order(28)) == list(range(28))
+def test_items_follow_the_butterfly():
+    """Items: lanes 0, 16, 8, 24, ... (bit-reversed), those that own a group, each with its chain of
+    groups L, L + 32, ...; with 4 splits split 1 holds leaves 8..15; padding items are not valid."""
+    group, start, push, leaf, valid, counts = split_items(32, 1, 4)
+    assert list(group[0, :8]) == [0, 16, 8, 24, 4, 20, 12, 28] and all(push[0]) and all(start[0])
+    group, start, push, leaf, valid, counts = split_items(28, 1, 4)
+    assert sorted(group[0]) == list(range(28)) and sum(push[0]) == 32  # 4 zero leaves after items
+    group, start, push, leaf, valid, counts = split_items(36, 4, 4)
+    assert list(group[1, :3]) == [2, 34, 18] and list(start[1, :3]) == [1, 0, 1] and list(push[1, :3]) == [0, 1, 1]
+    assert list(leaf[1, :3]) == [0, 0, 1] and counts[1] == 12 and list(valid[1, 8:11]) == [1, 0, 0]
 
 
 @pytest.mark.parametrize("k, tokens, warps, depth, columns, grid, unit_rows, norm", [
@@ -79,3 +85,26 @@ def test_verify_gate_up_rows_are_the_decode_bits(k, tokens, norm):
     out = cuda.to_device(np.zeros((tokens, N), np.float16))
     verify.launch(0, cuda.to_device(x), out)
     assert np.array_equal(out.copy_to_host(), np.array(alone))
+
+
+@pytest.mark.parametrize("tokens, splits, depth", [(5, 1, 4), (9, 2, 2), (3, 4, 3), (16, 8, 1)])
+def test_verify_with_chains_and_split_k(tokens, splits, depth):
+    """K = 4608 (36 groups): decode lanes 0..3 sum two groups each, an FMA chain the verify must
+    replay in order; with K split between 2 to 8 blocks, each a subtree of the butterfly that
+    stages only its groups, and `combine` adding the subtree sums as warp_sum's top levels do."""
+    rng = np.random.default_rng()
+    k = 4608
+    qweight, scales = quantize_int4(rng.standard_normal((N, k)).astype(np.float32))
+    x = rng.standard_normal((tokens, k)).astype(np.float16)
+    h = rng.standard_normal((tokens, N)).astype(np.float32)
+    decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2))
+    alone = []
+    for m in range(tokens):
+        out = cuda.to_device(h[m])
+        decode.launch(0, cuda.to_device(x[m]), out)
+        alone.append(out.copy_to_host())
+    verify = GroupVerify(N, k, tokens, qweight, scales, 2 * splits, Setting(1, depth, 1, splits), decode_warps=1)
+    out = cuda.to_device(h)
+    verify.launch(0, cuda.to_device(x), out)
+    got = out.copy_to_host()
+    assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
