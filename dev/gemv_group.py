@@ -57,9 +57,10 @@ Not the default: not measured (written 2026-12-05 without a GPU; tests/sim/test_
 checks it against float64 in the simulator). Two epilogues: the residual one (out += W x, the form
 of o_proj and down_proj, and of dev/gemv_mma.py) and the gate/up projection's (out float16 =
 silu(Wg x) * (Wu x), the product's expression; a unit then holds its rows of both matrices, which
-share its x loads); with or without the product's fused RMSNorm of h in the staging (qkv's and
-gate_up's input); no RoPE epilogue. `python dev/gemv_group.py` on the GPU checks it against
-float64 and times it against the product.
+share its x loads), and the decode step's QKV form (a tile is the row pair (d, d + head_dim/2) of
+a head, then + bias, RoPE and the KV-page write, `rope_writer`); with or without the product's
+fused RMSNorm of h in the staging (qkv's and gate_up's input). `python dev/gemv_group.py` on the
+GPU checks it against float64 and times it against the product.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from numba.core import types
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pynanoqwen.config import GROUP_SIZE  # noqa: E402
+from pynanoqwen.kernels import PAGE_SIZE  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import (FIXED_MAX, INVERSE_FIXED_MAX, NIBBLE_BYTES,  # noqa: E402
                                                 _normed_activations, fixed16_quad)
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
@@ -175,14 +177,62 @@ def group_stager(k: int, threads: int, norm_eps: float | None = None):
 
 
 @functools.cache
-def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = None, silu: bool = False):
+def rope_writer(num_heads: int, num_kv_heads: int, head_dim: int):
+    """rope_pair(first, x1, x2, bias, q, k_pages, v_pages, page_table, p, rope_cos, rope_sin): the
+    QKV rows (first, first + head_dim/2) of one head at position p, summed: + bias, RoPE of a q
+    or k head into q or the position's KV-page slot (float16), a v head copied there. The rotation
+    as explicit FMAs, so that the decode GEMV and the verify compute it the same way."""
+    half = U(head_dim // 2)
+    k_start, v_start = U(num_heads * head_dim), U((num_heads + num_kv_heads) * head_dim)
+
+    @cuda.jit(device=True, inline="always")
+    def rope_pair(first, x1, x2, bias, q_out, k_pages, v_pages, page_table, p, rope_cos, rope_sin):
+        x1 = x1 + float32(bias[first])
+        x2 = x2 + float32(bias[U(first + half)])
+        head = U(first // U(head_dim))
+        d = U(first % U(head_dim))
+        page = U(page_table[U(p // U(PAGE_SIZE))])
+        slot = U(p % U(PAGE_SIZE))
+        if first < v_start:
+            c, sn = rope_cos[p, d], rope_sin[p, d]
+            y1 = cuda.fma(x1, c, -(x2 * sn))
+            y2 = cuda.fma(x2, c, x1 * sn)
+            if first < k_start:
+                q_out[first] = y1
+                q_out[U(first + half)] = y2
+            else:
+                kv = U(head - U(num_heads))
+                k_pages[page, kv, slot, d] = y1
+                k_pages[page, kv, slot, U(d + half)] = y2
+        else:
+            kv = U(head - U(num_heads + num_kv_heads))
+            v_pages[page, kv, slot, d] = x1
+            v_pages[page, kv, slot, U(d + half)] = x2
+
+    return rope_pair
+
+
+@functools.cache
+def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = None, silu: bool = False,
+          heads: tuple[int, int, int] | None = None):
     """gemv(q0, s0, q1, s1, activations, out): out[N] += W x (out float32), or with silu the
     gate/up projection out[N] = silu(Wg x) * (Wu x) (out float16, Wg = q0/s0, Wu = q1/s1; without
     it pass q0/s0 twice); q uint32 [N*K/8] and s float16 [N*K/128] flat (ValueShuffle),
     activations as group_stager takes them (x float16 [K] as uint32 pairs, or with norm_eps h
     float32 [K] and the norm weight). With silu each unit holds its rows of both matrices, which
-    share its x loads."""
+    share its x loads. With heads = (num_heads, num_kv_heads, head_dim), the decode step's QKV
+    projection: a tile is one unit, the row pair (d, d + head_dim/2) of a head, and out is (bias,
+    q, k_pages, v_pages, page_table, pos, rope_cos, rope_sin): + bias, then RoPE of q and k at
+    position pos[0] into q and the position's KV-page slot, v copied there (the product's rope
+    epilogue, kernels/gemv_int4_kernel.py, with the rotation as explicit FMAs: y1 = fma(x1, c,
+    -(x2 s)), y2 = fma(x2, c, x1 s), so that a verify kernel computes the same bits)."""
     check_shape(n, k, setting)
+    rope = heads is not None
+    if rope and (setting.rows != 2 or setting.unit_rows != 2 or silu or n != (heads[0] + 2 * heads[1]) * heads[2]):
+        raise ValueError(f"a QKV projection with RoPE takes tiles of one unit of 2 rows (got {setting}), no silu, "
+                         f"N = (heads + 2 kv heads) head_dim")
+    num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2)
+    half = U(head_dim // 2)
     rows, warps, depth, unit_rows = setting.rows, setting.warps, setting.depth, setting.unit_rows
     threads = 32 * warps
     groups = U(k // GROUP_SIZE)
@@ -196,6 +246,7 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
     total_warps = U(grid * warps)
     shared_words = RECORD * (k // GROUP_SIZE)
     stage = group_stager(k, threads, norm_eps)
+    rope_pair = rope_writer(num_heads, num_kv_heads, head_dim)
     partial_shape = (warps, matrices * rows * 32)  # [matrix][row of the tile][lane]
 
     @cuda.jit(device=True, inline="always")
@@ -207,6 +258,13 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
         return cursor, step
 
     @cuda.jit(device=True, inline="always")
+    def row_of(tile, r):
+        """Row r of a tile: consecutive rows, or with RoPE the pair (d, d + head_dim/2) of a head."""
+        if rope:
+            return U(U(U(U(tile // half) * U(head_dim)) + U(tile % half)) + U(U(r) * half))
+        return U(U(tile * U(rows)) + U(r))
+
+    @cuda.jit(device=True, inline="always")
     def load(q0, s0, q1, s1, warp_id, lane, cursor, step, valid, words, scl):
         """Unit lane + 32 step of the warp's tile number `cursor` into a slot: its group of each of
         its unit_rows rows of each matrix (rows lie one after the other in qweight, so with one row a
@@ -214,11 +272,12 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
         if valid:
             u = U(lane + U(U(32) * step))
             if u < units:
-                first = U(U(U(warp_id + U(cursor * total_warps)) * U(rows)) + U(U(u // groups) * U(unit_rows)))
+                tile = U(warp_id + U(cursor * total_warps))
+                first = U(U(u // groups) * U(unit_rows))  # the unit's first row within the tile
                 group = U(u % groups)
                 for line in range(lines):
                     q, s = (q0, s0) if line < unit_rows else (q1, s1)
-                    row = U(first + U(line % unit_rows))
+                    row = row_of(tile, U(first + U(line % unit_rows)))
                     at = U(U(row * words_per_row) + U(U(UNIT_WORDS) * group))
                     for j in range(4):
                         w = UNIT_WORDS * line + 4 * j
@@ -266,18 +325,32 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
             if step == U(steps - U(1)):
                 park(parked, acc, acc_row, lane)
                 acc_row[0] = U(0)
-                first = U(U(warp_id + U(cursor * total_warps)) * U(rows))
+                tile = U(warp_id + U(cursor * total_warps))
+                if rope:
+                    x1, x2 = warp_sum(parked[lane]), warp_sum(parked[U(U(32) + lane)])
+                    parked[lane], parked[U(U(32) + lane)] = float32(0), float32(0)
+                    if lane == U(0):
+                        finish_rope(tile, x1, x2, out)
+                    return
                 for r in range(rows):
                     at = U(U(r * 32) + lane)
                     total = warp_sum(parked[at])
                     parked[at] = float32(0)
+                    row = row_of(tile, U(r))
                     if silu:
                         up = warp_sum(parked[U(at + U(rows * 32))])
                         parked[U(at + U(rows * 32))] = float32(0)
                         if lane == U(r):  # the product's silu epilogue (kernels/gemv_int4_kernel.py)
-                            out[U(first + U(r))] = total / (float32(1) + math.exp(-total)) * up
+                            out[row] = total / (float32(1) + math.exp(-total)) * up
                     elif lane == U(r):
-                        out[U(first + U(r))] += total
+                        out[row] += total
+
+    @cuda.jit(device=True, inline="always")
+    def finish_rope(tile, x1, x2, out):
+        """Rows (d, d + head_dim/2) of a head summed: + bias, RoPE at pos[0] of a q or k head into
+        q or the KV-page slot, a v head copied there."""
+        bias, q_out, k_pages, v_pages, page_table, pos = out[0], out[1], out[2], out[3], out[4], out[5]
+        rope_pair(row_of(tile, U(0)), x1, x2, bias, q_out, k_pages, v_pages, page_table, U(pos[0]), out[6], out[7])
 
     @cuda.jit(device=True, inline="always")
     def park(parked, acc, acc_row, lane):
@@ -362,15 +435,19 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
 
 class GroupGemv:
     """out[N] += W x with lanes owning weight groups, for one INT4 linear (module docstring); with
-    up_q/up_s, the gate/up projection out float16 [N] = silu(W x) * (W_up x); with norm_weight and
+    up_q/up_s, the gate/up projection out float16 [N] = silu(W x) * (W_up x); with heads and bias,
+    the decode step's QKV projection with RoPE and the KV write (launch_rope); with norm_weight and
     norm_eps, x = RMSNorm(h) * norm_weight computed while staging."""
 
-    def __init__(self, n, k, qweight, scales, grid, setting, norm_weight=None, norm_eps=None, up_q=None, up_s=None):
+    def __init__(self, n, k, qweight, scales, grid, setting, norm_weight=None, norm_eps=None, up_q=None, up_s=None,
+                 heads=None, bias=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.grid, self.warps = n, k, grid, setting.warps
         silu = up_q is not None
-        self.kernel = build(n, k, grid, setting, None if norm_eps is None else float(norm_eps), silu)
+        self.kernel = build(n, k, grid, setting, None if norm_eps is None else float(norm_eps), silu,
+                            None if heads is None else tuple(heads))
+        self.bias = None if bias is None else on_device(bias, np.float16)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
         self.scales = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE)
         self.up_q = on_device(up_q, np.uint32).reshape(n * k // 8) if silu else self.qweight
@@ -390,6 +467,17 @@ class GroupGemv:
 
         launch(self.kernel, self.grid, 32 * self.warps, stream,
                (self.qweight, self.scales, self.up_q, self.up_s, self.activations(x), out.reshape(self.n)))
+
+    def launch_rope(self, stream, x, q, k_pages, v_pages, page_table, pos, rope_cos, rope_sin) -> None:
+        """The QKV form (built with heads and bias): qkv = W x + bias of the token at pos[0], q
+        float32 [num_heads, head_dim] = RoPE(q part), that position's slot of k_pages (RoPE(k)) and
+        v_pages (v), float16 [pages, kv heads, 16, head_dim], through page_table; rope_cos/sin as
+        kernels/rope_kv_write.rope_cos_sin."""
+        from pynanoqwen.launch import launch
+
+        out = (self.bias, q.reshape(q.size), k_pages, v_pages, page_table, pos, rope_cos, rope_sin)
+        launch(self.kernel, self.grid, 32 * self.warps, stream,
+               (self.qweight, self.scales, self.up_q, self.up_s, self.activations(x), out))
 
 
 def scales_of(x: np.ndarray) -> np.ndarray:
@@ -505,6 +593,15 @@ def compile_targets():
                                  build(18944, 3584, grid_for(18944, setting, 132), setting, 1e-6, True),
                                  types.void(flat_u32, flat_f16, flat_u32, flat_f16, normed, flat_f16),
                                  must + ("ex2.approx",)))
+    rope_setting = Setting(2, 8, 2, 2, unit_rows=2)
+    pages = types.float16[:, :, :, ::1]
+    rope_out = types.Tuple((flat_f16, types.float32[::1], pages, pages, types.int32[::1], types.int32[::1],
+                            types.float32[:, ::1], types.float32[:, ::1]))
+    targets.append(CompileTarget(f"gemv_group[qkv 4608x3584 {label(rope_setting)}, rope + KV write, fused rmsnorm]",
+                                 build(4608, 3584, grid_for(4608, rope_setting, 132), rope_setting, 1e-6,
+                                       heads=(28, 4, 128)),
+                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, normed, rope_out),
+                                 must + ("cvt.rn.f16.f32",)))
     return targets
 
 

@@ -52,8 +52,10 @@ records it stages (37 of down_proj's 148 at S = 4), and its subtree's sums, whic
 `partials`; `combine` then adds the S sums as the top log2 S levels of the tree do (adjacent pairs
 first). The same bits as one block, by construction.
 
-Scope (a dev variant): the residual and the gate/up epilogues (gate and up in column tiles of their
-own, so that a lane holds both sums of a (token, row)); replays gemv_group with a tile of one unit
+Scope (a dev variant): the residual, the gate/up (gate and up in column tiles of their own, so that
+a lane holds both sums of a (token, row)) and the QKV epilogues (a head's rows d0.. and their RoPE
+partners d0 + head_dim/2.. in the two column tiles; each token's pair goes through gemv_group's
+rope_writer at its own position, q and K/V slots included); replays gemv_group with a tile of one unit
 (R = P); each block stages its split's records of every token in shared memory (K/128 x 68 x 4
 bytes a token without a split: 122 KB for 16 tokens at K = 3584), copied by cp.async from records
 a first kernel writes (`stage_tokens`, one block a token, the same staging function as the decode
@@ -75,7 +77,7 @@ from numba.core import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gemv_group import OFFSET_WORD, RECORD, SCALE_WORD, group_stager  # noqa: E402
+from gemv_group import OFFSET_WORD, RECORD, SCALE_WORD, group_stager, rope_writer  # noqa: E402
 from gemv_group import Setting as DecodeSetting  # noqa: E402
 from pynanoqwen.config import GROUP_SIZE  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import NIBBLE_BYTES  # noqa: E402
@@ -165,17 +167,29 @@ def shared_bytes(k: int, tokens: int, splits: int = 1, depth: int = 4) -> int:
 
 
 @functools.cache
-def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool = False):
+def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool = False,
+          heads: tuple[int, int, int] | None = None):
     """verify(q0, s0, q1, s1, records, out, partials): out[m N + row] += W x_m for m < tokens (out
     float32 [tokens N]), or with silu the gate/up projection out[m N + row] = silu(Wg x_m) * (Wu
     x_m) (out float16; Wg = q0/s0, Wu = q1/s1, which take column tiles of their own: a lane then
     holds both of a (token, row)); q/s as gemv_group, records from stage_tokens. With S splits of
     K (setting.splits > 1) the grid is S x blocks a split, block i computing split i % S of its
     tiles, whose subtree sums go to partials [S, tokens, N] for `combine` instead of to out.
-    Replays gemv_group's tile of one unit."""
+    With heads = (num_heads, num_kv_heads, head_dim), the QKV projection of gemv_group's RoPE form
+    for tokens at positions pos[0] + m: a warp tile is rows d0..d0+7 of a head and their partners
+    d0 + head_dim/2.. (two column tiles), and out is (bias, q [tokens, num_heads head_dim], k_pages,
+    v_pages, page_table, pos, rope_cos, rope_sin), each token's pair written by gemv_group's
+    rope_writer at its position. Replays gemv_group's tile of one unit."""
     groups_count = k // GROUP_SIZE
     columns, splits, depth = setting.column_tiles, setting.splits, setting.depth
-    rows_per_warp = TILE_ROWS * columns
+    rope = heads is not None
+    num_heads, num_kv_heads, head_dim = heads if rope else (1, 1, 2 * TILE_ROWS)
+    half = head_dim // 2
+    if rope and (columns != 1 or silu or splits != 1 or half % TILE_ROWS
+                 or n != (num_heads + 2 * num_kv_heads) * head_dim):
+        raise ValueError(f"the RoPE form takes one column tile of row pairs, no silu or split, head_dim/2 a "
+                         f"multiple of {TILE_ROWS}, N = (heads + 2 kv heads) head_dim; got {setting}, {heads}, N {n}")
+    rows_per_warp = TILE_ROWS * columns * (2 if rope else 1)
     if (n % rows_per_warp or k % GROUP_SIZE or not 1 <= tokens <= MAX_TOKENS or not 1 <= depth <= 4
             or splits not in (1, 2, 4, 8) or (splits > 1 and (groups_count < 32 or silu)) or grid % splits):
         raise ValueError(f"{n}x{k}, {tokens} tokens, grid {grid}, {setting}: N a multiple of {rows_per_warp}, K of "
@@ -193,10 +207,22 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
     local_words = U(RECORD * length)  # a token's records of one split in shared memory
     record_copies = U(tokens * length * (RECORD // 4))  # 16-byte copies of one split's records
     t_count = U(tokens)
-    cols = (2 if silu else 1) * columns  # column tile j: matrix j // columns, rows 8 (j % columns) ..
+    cols = (2 if silu or rope else 1) * columns  # column tile j: matrix j // columns, rows 8 (j % columns) ..
+    rope_pair = rope_writer(num_heads, num_kv_heads, head_dim)
+    tiles_a_head = half // TILE_ROWS
+    q_size = U(num_heads * head_dim)
     pairs = 4 * cols  # (token, row) sums a lane holds: tokens g, g + 8 x rows 2t, 2t + 1 of each column tile
     slot_words, slot_scales = 4 * cols * depth, 2 * cols * depth
     stack_words = LEVELS * pairs
+
+    @cuda.jit(device=True, inline="always")
+    def tile_row(tile, j):
+        """The first row of column tile j of a warp tile: 8 j on; or with RoPE, of the head's rows
+        d0.. (j = 0) or their partners d0 + head_dim/2.. (j = 1)."""
+        if rope:
+            head, d0 = U(tile // U(tiles_a_head)), U(U(tile % U(tiles_a_head)) * U(TILE_ROWS))
+            return U(U(U(head * U(head_dim)) + d0) + U(j * half))
+        return U(U(tile * U(rows_per_warp)) + U(TILE_ROWS * (j % columns)))
 
     @cuda.jit(device=True, inline="always")
     def load_item(q0, s0, q1, s1, b, tile, item, g, t, words, scl, d):
@@ -204,14 +230,13 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
         columns) + g's words 4t..4t+3 of the item's group and the scales of rows 8 (j % columns) +
         2t and + 2t + 1, of matrix j // columns."""
         group = item_group[b, item]
-        first = U(tile * U(rows_per_warp))
         for j in range(cols):
-            q, s = (q0, s0) if j < columns else (q1, s1)
-            row = U(U(first + U(TILE_ROWS * (j % columns))) + g)
+            q, s = (q0, s0) if j < columns or rope else (q1, s1)
+            row = U(tile_row(tile, j) + g)
             at = U(U(row * words_per_row) + U(U(U(16) * group) + U(U(4) * t)))
             w = 4 * (cols * d + j)
             words[w], words[w + 1], words[w + 2], words[w + 3] = ld_global_nc_v4_u32(q, at)
-            pair_row = U(U(first + U(TILE_ROWS * (j % columns))) + U(U(2) * t))
+            pair_row = U(tile_row(tile, j) + U(U(2) * t))
             scl[2 * (cols * d + j)] = s[U(U(pair_row * groups) + group)]
             scl[2 * (cols * d + j) + 1] = s[U(U(U(pair_row + U(1)) * groups) + group)]
 
@@ -348,15 +373,19 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
                     step(q0, s0, q1, s1, records, b, count, tile, U(item + U(3)), g, t, words, scl, 3, acc, leaf,
                          stack)
                 item = U(item + U(depth))
-            first = U(tile * U(rows_per_warp))
             for c in range(columns):
-                row0 = U(U(first + U(TILE_ROWS * c)) + U(U(2) * t))
+                row0 = U(tile_row(tile, c) + U(U(2) * t))
                 for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
                     m = U(g + U(8 * (e // 2)))
                     if m < t_count:
                         at = U(U(m * U(n)) + U(row0 + U(e % 2)))
                         total = leaf[4 * c + e]
-                        if splits > 1:  # the subtree's sum, for `combine`
+                        if rope:  # x1 and its partner x2 (column tile 1) of token m at pos[0] + m
+                            bias, q_out, pos = out[0], out[1], out[5]
+                            rope_pair(U(row0 + U(e % 2)), total, leaf[4 + e], bias,
+                                      q_out[U(m * q_size):U(U(m + U(1)) * q_size)], out[2], out[3], out[4],
+                                      U(U(pos[0]) + m), out[6], out[7])
+                        elif splits > 1:  # the subtree's sum, for `combine`
                             partials[U(U(b * U(tokens * n)) + at)] = total
                         elif silu:  # the decode GEMV's silu epilogue, its up row in column tile columns + c
                             out[at] = total / (float32(1) + math.exp(-total)) * leaf[4 * (columns + c) + e]
@@ -396,18 +425,20 @@ def build_combine(n: int, tokens: int, splits: int):
 class GroupVerify:
     """out[m, :] += W x_m for `tokens` tokens, each as dev/gemv_group.py's GEMV with `decode_warps`
     warps a block computes it alone (with norm_weight and norm_eps, x_m = RMSNorm(h_m) * weight;
-    with up_q/up_s, the gate/up projection out float16 [tokens, N] = silu(W x_m) * (W_up x_m)).
+    with up_q/up_s, the gate/up projection out float16 [tokens, N] = silu(W x_m) * (W_up x_m);
+    with heads and bias, the QKV projection with RoPE and the KV write, launch_rope).
     With setting.splits > 1 a third launch adds the splits' subtree sums (`combine`)."""
 
     def __init__(self, n, k, tokens, qweight, scales, grid, setting, decode_warps=8, norm_weight=None,
-                 norm_eps=None, up_q=None, up_s=None):
+                 norm_eps=None, up_q=None, up_s=None, heads=None, bias=None):
         from pynanoqwen.kernels import on_device
 
         self.n, self.k, self.tokens, self.grid, self.warps = n, k, tokens, grid, setting.warps
         silu = up_q is not None
         self.stage_threads = 32 * decode_warps
         self.stage = build_stage(k, self.stage_threads, None if norm_eps is None else float(norm_eps))
-        self.kernel = build(n, k, tokens, grid, setting, silu)
+        self.kernel = build(n, k, tokens, grid, setting, silu, None if heads is None else tuple(heads))
+        self.bias = None if bias is None else on_device(bias, np.float16)
         self.combine = build_combine(n, tokens, setting.splits) if setting.splits > 1 else None
         self.shared = shared_bytes(k, tokens, setting.splits, setting.depth)
         self.qweight = on_device(qweight, np.uint32).reshape(n * k // 8)
@@ -432,6 +463,20 @@ class GroupVerify:
                shared_bytes=self.shared)
         if self.combine is not None:
             launch(self.combine, -(-self.tokens * self.n // 256), 256, stream, (self.partials, out))
+
+    def launch_rope(self, stream, x, q, k_pages, v_pages, page_table, pos, rope_cos, rope_sin) -> None:
+        """The QKV form (built with heads and bias) for tokens at positions pos[0] + m: q float32
+        [tokens, num_heads, head_dim], each position's slots of k_pages and v_pages, as
+        gemv_group's launch_rope writes them for each token alone."""
+        from pynanoqwen.launch import launch
+
+        flat = x.reshape(self.tokens * self.k)
+        activations = (flat.view(np.uint32),) if self.norm_weight is None else (flat, self.norm_weight.view(np.uint32))
+        launch(self.stage, self.tokens, self.stage_threads, stream, (activations, self.records))
+        out = (self.bias, q.reshape(q.size), k_pages, v_pages, page_table, pos, rope_cos, rope_sin)
+        launch(self.kernel, self.grid, 32 * self.warps, stream,
+               (self.qweight, self.scales, self.up_q, self.up_s, self.records, out, self.partials),
+               shared_bytes=self.shared)
 
 
 DECODE = DecodeSetting(rows=1, warps=8, blocks_per_sm=2, depth=4)  # the decode order replayed: one row a tile
@@ -527,6 +572,14 @@ def compile_targets():
                                  build(18944, 3584, 9, 132, gate_up, silu=True),
                                  types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, flat_f16, flat_f32),
                                  must + ("ex2.approx",)))
+    pages = types.float16[:, :, :, ::1]
+    rope_out = types.Tuple((flat_f16, flat_f32, pages, pages, types.int32[::1], types.int32[::1],
+                            types.float32[:, ::1], types.float32[:, ::1]))
+    rope_setting = Setting(SETTING.warps, SETTING.depth, 1)
+    targets.append(CompileTarget(f"gemv_group_verify[qkv 4608x3584 9 tokens, rope + KV write, {rope_setting}]",
+                                 build(4608, 3584, 9, 132, rope_setting, heads=(28, 4, 128)),
+                                 types.void(flat_u32, flat_f16, flat_u32, flat_f16, flat_u32, rope_out, flat_f32),
+                                 must + ("cvt.rn.f16.f32",)))
     for name, eps, activations in (("x", None, types.UniTuple(flat_u32, 1)),
                                    ("RMSNorm(h)", 1e-6, types.Tuple((types.float32[::1], flat_u32)))):
         targets.append(CompileTarget(f"gemv_group_verify stage_tokens[K 3584, {name}]",

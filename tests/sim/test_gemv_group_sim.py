@@ -95,3 +95,43 @@ def test_group_gate_up_silu_within_bound():
         + 1.1 * np.abs(u) * (k // 32 + 8) * U32 * (np.abs(wg) @ np.abs(staged)) \
         + np.abs(silu) * (k // 32 + 8) * U32 * (np.abs(wu) @ np.abs(staged))
     assert np.all(np.abs(y - expected) <= bound)
+
+
+def test_group_qkv_rope_kv_write_within_bound():
+    """The QKV form at a tiny attention shape (2 query heads, 1 KV head, head_dim 32: 128 rows, K
+    512) and position 37: q, the K slot and the V slot against float64 of W x + bias rotated with
+    the same float32 cos/sin tables. Bound: each row's GEMV bound (group_bound) and the bias add's
+    rounding, carried through the rotation (|cos|, |sin| <= 1: e1 + e2), the rotation's own
+    roundings (an FMA and a product: 4 u32 (|x1| + |x2|)), and the float16 store of K and V."""
+    from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
+
+    rng = np.random.default_rng()
+    heads, kv_heads, head_dim, k, position = 2, 1, 32, 512, 37
+    n, half = (heads + 2 * kv_heads) * head_dim, head_dim // 2
+    qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal(k).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float16)
+    cos, sin = rope_cos_sin(head_dim, 10000.0, 64)
+    page_table = np.array([3, 1, 0, 2], np.int32)  # position 37: logical page 2 -> page 0, slot 5
+    pages = lambda: cuda.to_device(np.full((4, kv_heads, 16, head_dim), np.nan, np.float16))  # noqa: E731
+    q, k_pages, v_pages = cuda.to_device(np.full(heads * head_dim, np.nan, np.float32)), pages(), pages()
+    gemv = GroupGemv(n, k, qweight, scales, 4, Setting(rows=2, warps=1, blocks_per_sm=1, depth=2, unit_rows=2),
+                     heads=(heads, kv_heads, head_dim), bias=bias)
+    gemv.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, cuda.to_device(page_table),
+                     cuda.to_device(np.array([position], np.int32)), cuda.to_device(cos), cuda.to_device(sin))
+    product, gemv_bound = group_bound(qweight, scales, x)
+    qkv = product + bias.astype(np.float64)
+    error = gemv_bound + U32 * np.abs(qkv)
+    parts, errors = qkv.reshape(-1, head_dim), error.reshape(-1, head_dim)
+    c, s = cos[position].astype(np.float64), sin[position].astype(np.float64)
+    x1, x2, e1, e2 = parts[:, :half], parts[:, half:], errors[:, :half], errors[:, half:]
+    rotated = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], 1)
+    rotation_bound = np.concatenate([e1 + e2 + 4 * U32 * (np.abs(x1) + np.abs(x2))] * 2, 1)
+    assert np.all(np.abs(q.copy_to_host().reshape(heads, head_dim) - rotated[:heads]) <= rotation_bound[:heads])
+    k_slot = k_pages.copy_to_host()[0, 0, 5].astype(np.float64)
+    k_bound = rotation_bound[heads] + 2.0**-11 * np.abs(rotated[heads]) + 2.0**-25
+    assert np.all(np.abs(k_slot - rotated[heads]) <= k_bound)
+    v_slot = v_pages.copy_to_host()[0, 0, 5].astype(np.float64)
+    v_bound = errors[heads + 1] + 2.0**-11 * np.abs(parts[heads + 1]) + 2.0**-25
+    assert np.all(np.abs(v_slot - parts[heads + 1]) <= v_bound)
+    assert np.isnan(k_pages.copy_to_host()[0, 0, 4]).all()  # nothing else written

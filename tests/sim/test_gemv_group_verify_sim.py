@@ -108,3 +108,40 @@ def test_verify_with_chains_and_split_k(tokens, splits, depth):
     verify.launch(0, cuda.to_device(x), out)
     got = out.copy_to_host()
     assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
+
+
+@pytest.mark.parametrize("tokens, position, norm", [(9, 27, False), (5, 14, True)])
+def test_verify_qkv_rope_is_the_decode_bits(tokens, position, norm):
+    """The QKV form: tokens at positions position + m (crossing a page boundary), q and every
+    position's K and V slots bit for bit what gemv_group's RoPE form writes for each token alone
+    (2 query heads, 1 KV head, head_dim 32, K 512)."""
+    from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
+
+    rng = np.random.default_rng()
+    heads, kv_heads, head_dim, k = 2, 1, 32, 512
+    n = (heads + 2 * kv_heads) * head_dim
+    qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((tokens, k)).astype(np.float32 if norm else np.float16)
+    weight, eps = ((1 + 0.3 * rng.standard_normal(k)).astype(np.float16), 1e-6) if norm else (None, None)
+    bias = rng.standard_normal(n).astype(np.float16)
+    cos, sin = (cuda.to_device(t) for t in rope_cos_sin(head_dim, 10000.0, 64))
+    page_table = cuda.to_device(np.array([3, 1, 0, 2], np.int32))
+    shape = (4, kv_heads, 16, head_dim)
+    decode = GroupGemv(n, k, qweight, scales, 4, DecodeSetting(rows=2, warps=1, blocks_per_sm=1, depth=2,
+                                                               unit_rows=2), norm_weight=weight, norm_eps=eps,
+                       heads=(heads, kv_heads, head_dim), bias=bias)
+    q_alone = cuda.to_device(np.full((tokens, heads * head_dim), np.nan, np.float32))
+    k_alone, v_alone = (cuda.to_device(np.full(shape, np.nan, np.float16)) for _ in range(2))
+    for m in range(tokens):
+        decode.launch_rope(0, cuda.to_device(x[m]), q_alone[m], k_alone, v_alone, page_table,
+                           cuda.to_device(np.array([position + m], np.int32)), cos, sin)
+    verify = GroupVerify(n, k, tokens, qweight, scales, 2, Setting(1, 2, 1), decode_warps=1, norm_weight=weight,
+                         norm_eps=eps, heads=(heads, kv_heads, head_dim), bias=bias)
+    q = cuda.to_device(np.full((tokens, heads * head_dim), np.nan, np.float32))
+    k_pages, v_pages = (cuda.to_device(np.full(shape, np.nan, np.float16)) for _ in range(2))
+    verify.launch_rope(0, cuda.to_device(x), q, k_pages, v_pages, page_table,
+                       cuda.to_device(np.array([position], np.int32)), cos, sin)
+    for got, alone in ((q, q_alone), (k_pages, k_alone), (v_pages, v_alone)):
+        got, alone = got.copy_to_host(), alone.copy_to_host()
+        assert np.array_equal(got, alone, equal_nan=True)
+        assert not np.isnan(got).all()
