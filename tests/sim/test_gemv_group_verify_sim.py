@@ -22,6 +22,20 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 N = 32
 
 
+def assert_verify_is_decode_alone(decode, verify, x, start):
+    """decode.launch on each token m from out = start[m], verify.launch on all of them from start:
+    the same bits."""
+    alone = []
+    for m in range(len(x)):
+        out = cuda.to_device(start[m])
+        decode.launch(0, cuda.to_device(x[m]), out)
+        alone.append(out.copy_to_host())
+    out = cuda.to_device(start)
+    verify.launch(0, cuda.to_device(x), out)
+    got = out.copy_to_host()
+    assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
+
+
 def test_items_follow_the_butterfly():
     """Items: lanes 0, 16, 8, 24, ... (bit-reversed), those that own a group, each with its chain of
     groups L, L + 32, ...; with 4 splits split 1 holds leaves 8..15; padding items are not valid."""
@@ -52,17 +66,9 @@ def test_verify_rows_are_the_decode_gemv_bits(k, tokens, warps, depth, columns, 
     h = rng.standard_normal((tokens, N)).astype(np.float32)
     decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=unit_rows, warps=1, blocks_per_sm=1, depth=2,
                                                                unit_rows=unit_rows), norm_weight=weight, norm_eps=eps)
-    alone = []
-    for m in range(tokens):
-        out = cuda.to_device(h[m])
-        decode.launch(0, cuda.to_device(x[m]), out)
-        alone.append(out.copy_to_host())
     verify = GroupVerify(N, k, tokens, qweight, scales, grid, Setting(warps, depth, columns), decode_warps=1,
                          norm_weight=weight, norm_eps=eps)
-    out = cuda.to_device(h)
-    verify.launch(0, cuda.to_device(x), out)
-    got = out.copy_to_host()
-    assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
+    assert_verify_is_decode_alone(decode, verify, x, h)
 
 
 @pytest.mark.parametrize("k, tokens, norm", [(512, 9, True), (1536, 16, False)])
@@ -75,16 +81,9 @@ def test_verify_gate_up_rows_are_the_decode_bits(k, tokens, norm):
     weight, eps = ((0.1 * (1 + 0.3 * rng.standard_normal(k))).astype(np.float16), 1e-6) if norm else (None, None)
     decode = GroupGemv(N, k, gate_q, gate_s, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2),
                        norm_weight=weight, norm_eps=eps, up_q=up_q, up_s=up_s)
-    alone = []
-    for m in range(tokens):
-        out = cuda.to_device(np.zeros(N, np.float16))
-        decode.launch(0, cuda.to_device(x[m]), out)
-        alone.append(out.copy_to_host())
     verify = GroupVerify(N, k, tokens, gate_q, gate_s, 1, Setting(2, 2, 1), decode_warps=1, norm_weight=weight,
                          norm_eps=eps, up_q=up_q, up_s=up_s)
-    out = cuda.to_device(np.zeros((tokens, N), np.float16))
-    verify.launch(0, cuda.to_device(x), out)
-    assert np.array_equal(out.copy_to_host(), np.array(alone))
+    assert_verify_is_decode_alone(decode, verify, x, np.zeros((tokens, N), np.float16))
 
 
 @pytest.mark.parametrize("tokens, splits, depth", [(5, 1, 4), (9, 2, 2), (3, 4, 3), (16, 8, 1)])
@@ -98,16 +97,8 @@ def test_verify_with_chains_and_split_k(tokens, splits, depth):
     x = rng.standard_normal((tokens, k)).astype(np.float16)
     h = rng.standard_normal((tokens, N)).astype(np.float32)
     decode = GroupGemv(N, k, qweight, scales, 2, DecodeSetting(rows=1, warps=1, blocks_per_sm=1, depth=2))
-    alone = []
-    for m in range(tokens):
-        out = cuda.to_device(h[m])
-        decode.launch(0, cuda.to_device(x[m]), out)
-        alone.append(out.copy_to_host())
     verify = GroupVerify(N, k, tokens, qweight, scales, 2 * splits, Setting(1, depth, 1, splits), decode_warps=1)
-    out = cuda.to_device(h)
-    verify.launch(0, cuda.to_device(x), out)
-    got = out.copy_to_host()
-    assert np.array_equal(got, np.array(alone)), np.argwhere(got != np.array(alone))[:8]
+    assert_verify_is_decode_alone(decode, verify, x, h)
 
 
 @pytest.mark.parametrize("tokens, position, norm", [(9, 27, False), (5, 14, True)])
