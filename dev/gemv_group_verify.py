@@ -27,9 +27,10 @@ How. The tokens are the 16 rows of an integer mma (`mma.m16n8k32`, ptx/mma.py), 
   lanes' partials from them. The groups are taken in the order of the butterfly's leaves: leaf i
   is the partial of lane bitrev5(i) (0, 16, 8, 24, 4, ...), so warp_sum's tree is the balanced
   binary tree over the leaves in that order, and a stack of 5 pending left subtrees a (row, token)
-  sums it as the leaves arrive (`push`): nothing is parked in shared memory. Lanes without a group
-  (28..31 at K = 3584) enter as leaves of 0 after the item before them (`zeros_after`), as in
-  decode. Then out[m, row] += total, the decode epilogue. Items go through `depth` register slots,
+  sums it as the leaves arrive (`push`): nothing is parked in shared memory. A leaf's chain is its
+  lane's groups in order (`split_items` lists the items); lanes without a group (28..31 at K =
+  3584) enter as leaves of 0 after the item before them, as in decode. Then out[m, row] += total,
+  the decode epilogue. Items go through `depth` register slots,
   each step called with a constant slot index so that the slots stay in registers (a loop over
   them left them in local memory at C = 2).
 
