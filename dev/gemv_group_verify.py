@@ -44,7 +44,8 @@ its ~150 a unit, over 32 lanes): ~1.9x at C = 1, ~1.6x at C = 2. The mma and the
 about what decode's dp4a do on the same weights; the float terms, one set a token, and the
 replay's bookkeeping are the rest. PTX is no guide here: the compiled loop body holds both
 prefetch branches and every level of the stack, and its movs (the stack's and slots' phis) are
-half its length. The GPU run decides (`timings`).
+half its length. Measured on the H200 (docs/PERFORMANCE.md, 2026-12-05): bit for bit, and 2.5x
+(down_proj) to 5.4x (qkv) the decode group GEMV at 9 tokens, well over this count.
 
 Split K. down_proj's x for 16 tokens (18944 inputs) does not fit one SM. The butterfly's leaves in
 bit-reversed order make any aligned run of 32/S leaves a whole subtree, so S blocks can share a
