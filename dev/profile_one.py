@@ -27,7 +27,7 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pynanoqwen.bench import layer_linears, random_int4  # noqa: E402
+from pynanoqwen.bench import random_int4  # noqa: E402
 from pynanoqwen.config import preset  # noqa: E402
 from pynanoqwen.engine.memory import PREFILL_BUCKETS  # noqa: E402
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402
@@ -40,7 +40,7 @@ from pynanoqwen.kernels.rope_kv_write import rope_cos_sin  # noqa: E402
 HIDDEN, INTERMEDIATE, QKV, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 3584, 18944, 4608, 152064, 28, 4, 128
 LAUNCHES = 3
 PREFILL_ROWS = PREFILL_BUCKETS[-1]  # the engine's longest prefill chunk
-LINEARS = layer_linears(preset("7b"))  # (name, N, K, epilogue) of the prefill GEMMs
+LINEARS = preset("7b").engine_linears  # (name, N, K, epilogue) of the prefill GEMMs
 
 
 def gemm_call(args, rng, stream):

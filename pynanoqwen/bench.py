@@ -406,14 +406,6 @@ def prefill_attention_table(cfg: ModelConfig, lengths, chunk_rows: int, launches
     return rows
 
 
-def layer_linears(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
-    """(name, N, K, epilogue) of each linear of a decoder layer, as the engine builds them (QKV
-    one matrix with bias, gate and up one fused SiLU product, o and down adding to the residual)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h, "bias"), ("o_proj", h, cfg.q_size, "residual"),
-            ("gate_up", i, h, "gate_up_silu"), ("down_proj", h, i, "residual")]
-
-
 def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Random packed words and FP16 scales of an N x K linear (speed does not depend on values)."""
     return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
@@ -434,7 +426,7 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try
     rng = np.random.default_rng(0)
     stream = cuda.stream()
     rows = []
-    for name, n, k, epilogue in layer_linears(cfg):
+    for name, n, k, epilogue in cfg.engine_linears:
         matrices = matrices_of(epilogue)
         copies = weight_copies(matrices * (n * k // 2 + n * k // 64))
         weights = [[tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)]
@@ -479,7 +471,7 @@ def gemv_paths(cfg: ModelConfig) -> list[dict]:
 
     rng = np.random.default_rng(0)
     rows = []
-    for name, n, k, epilogue in layer_linears(cfg) + [("lm_head", cfg.vocab_size, cfg.hidden_size, "plain")]:
+    for name, n, k, epilogue in cfg.engine_linears + [("lm_head", cfg.vocab_size, cfg.hidden_size, "plain")]:
         matrices = matrices_of(epilogue)
         weights = [random_int4(rng, n, k) for _ in range(matrices)]
         nbytes = matrices * gemv_bytes(n, k)

@@ -61,6 +61,15 @@ class ModelConfig:
             "mlp.down_proj": (h, i),
         }
 
+    @property
+    def engine_linears(self) -> list[tuple[str, int, int, str]]:
+        """(name, N, K, epilogue) of each linear of a decoder layer as the GPU engine builds them
+        (QKV one matrix with bias, gate and up one fused SiLU product, o and down adding to the
+        residual: kernels/gemm_int4.py's epilogues)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return [("qkv", self.q_size + 2 * self.kv_size, h, "bias"), ("o_proj", h, self.q_size, "residual"),
+                ("gate_up", i, h, "gate_up_silu"), ("down_proj", h, i, "residual")]
+
     def validate(self) -> "ModelConfig":
         positive = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "vocab_size", "max_position_embeddings")
