@@ -175,8 +175,9 @@ class SplitKGemm:
 def compile_targets() -> list[CompileTarget]:
     n, k = LINEARS_7B["down_proj"]
     must = ("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "atom.global.add.f32", "prmt.b32")
+    signature = types.void(*gemm_signature(types.float32).args[:8])  # the product's, without the workspace
     return [CompileTarget(f"gemm_int4_residual_wgmma_128x128_split_k[down_proj {n}x{k}]",
-                          split_k_kernel(n, k, WG2_T128_SPLIT_K), gemm_signature(types.float32), must, cc=(9, 0, "a"))]
+                          split_k_kernel(n, k, WG2_T128_SPLIT_K), signature, must, cc=(9, 0, "a"))]
 
 
 def atomic_adds_bound(tiles: SplitKTile):

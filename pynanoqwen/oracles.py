@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from .kernels import kernel_path
+from .kernels.gemm_int4_tiles import K_CHUNKS
 from .quant import dequantize_int4
 
 U16, U32 = 2.0**-11, 2.0**-24
@@ -139,12 +140,14 @@ def gemm_oracle(qweight, scales, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     16 exact FP16 products to its FP32 accumulator; the tensor core aligns the 17 addends to the
     largest, truncates to >= 24 bits and normalises once (Fasi, Higham, Mikaitis, Pranesh,
     "Numerical behavior of NVIDIA tensor cores", 2021): <= 36 u32 (|c| + sum |p|) per step, and
-    over K/16 steps, with every |c| <= 1.01 mag, at most 37 (K/16 + 1) u32 mag.
+    over K/16 steps, with every |c| <= 1.01 mag, at most 37 (K/16 + 1) u32 mag. The wgmma kernel
+    sums K in up to K_CHUNKS chunks (kernels/gemm_int4_wgmma.py, "K chunks"), whose float32 adds
+    round K_CHUNKS - 1 more times, each at most u32 of a partial sum <= 1.01 mag: K_CHUNKS u32 mag.
     """
     w = dequantize_int4(qweight, scales, np.float64)
     x64 = np.asarray(x, np.float64)
     magnitude = np.abs(x64) @ np.abs(w).T
-    return x64 @ w.T, (U16 + 37 * (x.shape[1] // 16 + 1) * U32) * magnitude
+    return x64 @ w.T, (U16 + (37 * (x.shape[1] // 16 + 1) + K_CHUNKS) * U32) * magnitude
 
 
 def silu_product_oracle(g: np.ndarray, g_bound: np.ndarray, u: np.ndarray,

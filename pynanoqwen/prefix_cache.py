@@ -21,9 +21,9 @@ This module owns no KV data: it hands out page ids and takes back what the backe
         rest goes back to the free list.
 
 At least `min_prefill` prompt tokens are always left to prefill: one, because the logits of the last
-prompt token are what the first sampled token comes from, or more where the backend's prefill
-computes a few rows in other arithmetic than many (the GPU engine, engine/backend.py). A prompt
-reuses at most (len - min_prefill) // page_size pages.
+prompt token are what the first sampled token comes from, or more for a backend whose prefill
+computes a few rows in other arithmetic than many (the GPU engine did, up to 2026-12-05:
+engine/backend.py). A prompt reuses at most (len - min_prefill) // page_size pages.
 
 Pages in use by a lease are pinned (a reference count): they are neither handed out as allocatable
 nor reused by another lease until it is committed. Eviction is least recently used; a request's

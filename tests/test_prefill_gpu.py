@@ -15,10 +15,11 @@ What it must give, on random models (pynanoqwen/synthetic.py):
    an earlier one prefills only the rest, from a chunk that starts where the reused pages end; its
    K/V at every prompt position and its greedy tokens are bit for bit those of a cold run of the
    same prompt, although the two compute the new rows in chunks of other lengths and starts,
-   through other wgmma tiles. That equality is what lets the engine report full prompt pages as
-   reusable (prefix_cache.PagedBackend). A chunk of 16 rows or fewer would run on mma.sync's SMALL
-   tile, whose sums round otherwise (measured: a 9-row warm chunk gave other K/V bits from its
-   first position); the lease's min_prefill and the chunking keep every chunk above that.
+   through other wgmma tiles and forms (sequential, or split by K chunks). That equality is what
+   lets the engine report full prompt pages as reusable (prefix_cache.PagedBackend): every bucket
+   sums a row alike (gemm_int4_tiles.rows_sum_alike). mma.sync's SMALL tile, which served chunks
+   of up to 16 rows before, rounds otherwise (measured: a 9-row warm chunk gave other K/V bits from
+   its first position), so no 7B chunk runs on it now.
 
 Error bounds (u16 = 2^-11), relative L2 of a logits row, derived by counting the FP16 roundings one
 decoder layer puts on its update, as tests/test_engine_gpu.py does for decode (8 per layer there):

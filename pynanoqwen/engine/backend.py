@@ -45,7 +45,7 @@ from ..device import device_name, require_gpu
 from ..errors import NanoQwenError
 from ..fileformat import NanoQwenFile
 from ..kernels import GEMV_PATHS, PAGE_SIZE
-from ..kernels.gemm_int4_tiles import SMALL
+from ..kernels.gemm_int4_tiles import rows_sum_alike
 from ..kernels.sampling import METHODS, device_params, method_for
 from ..prefix_cache import PageLease
 from ..prompt_lookup import LookupParams, check_device
@@ -58,16 +58,12 @@ from .schedule import DecodeOps, Kernels, Launch, PrefillOps, forward_launches, 
 from .weights import load_weights
 
 PREFILL_MODES = ("batched", "decode")
-SMALL_ROWS = SMALL.block_m  # up to this many rows a prefill GEMM runs on mma.sync (gemm_int4_tiles.default_tiles_for)
 
 
 def prompt_chunks(n: int, longest: int, first: int = 0) -> list[tuple[int, int]]:
-    """(start, rows) of each prefill chunk of prompt positions first..n-1: chunks of `longest` rows,
-    but that a last chunk of SMALL_ROWS rows or fewer takes 2 SMALL_ROWS rows from the one before
-    (CudaBackend._chunks says why). bench times prefill attention over these same chunks."""
+    """(start, rows) of each prefill chunk of prompt positions first..n-1: chunks of `longest`
+    rows, the last one what is left. bench times prefill attention over these same chunks."""
     starts = list(range(first, n, longest))
-    if len(starts) > 1 and n - starts[-1] <= SMALL_ROWS and longest > 3 * SMALL_ROWS:
-        starts[-1] -= 2 * SMALL_ROWS
     ends = starts[1:] + [n]
     return [(start, end - start) for start, end in zip(starts, ends)]
 
@@ -167,11 +163,8 @@ class CudaBackend(EngineProbes):
             self.prefill_graphs.capture((rows, method), launches)
 
     def _chunks(self, n: int, method: str, first: int = 0) -> list[tuple[int, int, str]]:
-        """(start, m, method) of each chunk of prompt positions first..n-1: the last samples by
-        `method`. Chunks of the longest bucket, but that a last chunk of SMALL_ROWS rows or fewer
-        takes 2 SMALL_ROWS rows from the one before: a chunk of more rows than that runs on the
-        wgmma tiles, of fewer on mma.sync, whose sums round differently (docs/DECODE.md,
-        "Prefix cache")."""
+        """(start, m, method) of each chunk of prompt positions first..n-1 (prompt_chunks): the
+        last samples by `method`."""
         bounds = prompt_chunks(n, self.prefill_buckets[-1], first)
         return [(start, m, method if start + m == n else "prompt") for start, m in bounds]
 
@@ -279,7 +272,7 @@ class CudaBackend(EngineProbes):
     # -- the prefix cache (prefix_cache.PagedBackend) -------------------------------------------------
 
     page_size = PAGE_SIZE
-    min_prefill = SMALL_ROWS + 1  # a lease leaves a chunk of more rows than SMALL runs
+    min_prefill = 1  # a chunk of any rows computes them as a longer one would (rows_sum_alike)
 
     @property
     def num_pages(self) -> int:
@@ -291,9 +284,10 @@ class CudaBackend(EngineProbes):
                        lookup: LookupParams = LookupParams()) -> Iterator[int]:
         """generate() with the KV cache in the lease's pages, prefilling only the prompt's
         positions after lease.cached_tokens, at least min_prefill of them. Full prompt pages are
-        reported reusable: a position's KV is the same bits whichever chunk of more than
-        SMALL_ROWS rows computes it (docs/DECODE.md, "Prefix cache"), which tests/test_gemm_gpu.py
-        and tests/test_prefill_gpu.py check. Generated positions are not (decode steps round
+        reported reusable where the model's linears sum a row alike at every bucket
+        (gemm_int4_tiles.rows_sum_alike): a position's KV is then the same bits whichever chunk
+        computes it (docs/DECODE.md, "Prefix cache"), which tests/test_gemm_gpu.py and
+        tests/test_prefill_gpu.py check. Generated positions are not (decode steps round
         differently from prefill rows), nor is the prompt's partial last page."""
         check_device(lookup, "cuda")
         n, cached = len(prompt_ids), lease.cached_tokens
@@ -310,9 +304,8 @@ class CudaBackend(EngineProbes):
         lease.written = lease.reusable = cached
         # max_new_tokens 0 still runs the prompt: llama.cpp's editors send n_predict 0 to fill the cache.
         self.prefill(n, method, first=cached)
-        # New full pages are fit for reuse only where every chunk ran on the wgmma tiles.
-        on_wgmma = bool(self.prefill_buckets) and all(m > SMALL_ROWS for _, m, _ in self._chunks(n, method, cached))
-        lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if on_wgmma else cached
+        alike = bool(self.prefill_buckets) and rows_sum_alike(self.config.engine_linears, self.prefill_buckets)
+        lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if alike else cached
         if max_new_tokens < 1:
             return
         # Closed early, the generator leaves enqueued steps running: the next request's work

@@ -6,9 +6,9 @@ layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128
 bandwidth problem. The weights are dequantized on the fly, in registers, straight into a tensor-core
 operand. Two kernels do it, chosen by the tile shape (gemm_int4_tiles.py, `default_tiles_for`):
 - WgmmaTile shapes: Hopper's asynchronous warpgroup MMA (gemm_int4_wgmma.py), for every prompt
-  bucket beyond 16 tokens: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table).
+  bucket: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table).
 - TileShape shapes: `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style, this
-  module's kernel, described below: SMALL, for up to 16 tokens and for shapes no wgmma tile fits.
+  module's kernel, described below: SMALL, for shapes no wgmma tile fits.
   mma.sync does not reach the Hopper tensor cores' rate: its large 128 x 128 tile peaked near 270
   TFLOP/s and lost to wgmma at every 7B shape from M = 64 (docs/PERFORMANCE.md), so it left the
   product for dev/gemm_mma_sync_large.py, with its own check and timing.
@@ -53,13 +53,15 @@ Epilogues (closure constants, one kernel build each): `plain` out = XW^T; `bias`
 
 Cost per 32-wide k tile and warp of SMALL: 8 mma, 2 ld.shared.v4 + 4 ld.shared.b32, 4 words
 unpacked, ~2 cp.async. Per block and k tile it moves 1 KiB of activations and 2 KiB of weights
-from L2. At M <= 16 a block's work is mostly its weight tile: the kernel is bound by reading the
-weights, as a GEMV is. Whether a 64-token wgmma tile, three quarters padding there, beats it has
-not been measured yet: dev/gemm_small_vs_wgmma.py times the two (docs/PERFORMANCE.md).
+from L2. At M <= 16 a block's work is mostly its weight tile, and still the 64-token wgmma tile,
+three quarters padding there, takes half its time at qkv, o_proj and down_proj (down_proj 89 against
+174 us at 1-16 tokens; gate/up 60 against 55: docs/PERFORMANCE.md, "Prefill GEMM at a few rows"),
+and rounds a row as every other wgmma tile does. So SMALL serves only shapes no wgmma tile fits.
 
-Split-K, which adds partial products over shares of K into the residual atomically, is
-dev/gemm_wgmma_split_k.py's: the order of those adds is whichever block finishes first, so results
-would differ in the last bits from run to run, and no default may do that.
+K is split between blocks only in the wgmma kernel's fixed chunks (gemm_int4_wgmma.py, "K
+chunks"), whose sums are added in chunk order whichever block finishes first. Split-K by atomic
+adds into the residual, whose order changes the last bits from run to run, is what no default may
+do (dev/gemm_wgmma_split_k.py keeps it for the record).
 
 API (the prefill path builds these once per layer):
 
@@ -84,12 +86,13 @@ from numba.core import types
 
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
+from ..device import sm_count
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ld_shared_v4_u32, mma_m16n8k16
 from . import CompileTarget, on_device
-from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
-    TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, matrices_of
-from .gemm_int4_wgmma import WgmmaTile, wgmma_gemm_kernel
+from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_CHUNKS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
+    TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, k_chunks, matrices_of
+from .gemm_int4_wgmma import WgmmaTile, has_split_form, wgmma_gemm_kernel
 from .int4_unpack import unpack8
 
 U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
@@ -110,18 +113,22 @@ def dequantize8(word, scale):
             fma_f16x2(w67, scale, U(0)))
 
 
-def gemm_kernel(n: int, k: int, tiles, epilogue: str):
-    """gemm_int4(x, m, q0, s0, q1, s1, bias, out) for one shape, tile and epilogue: the mma.sync
-    kernel below for a TileShape, gemm_int4_wgmma's for a WgmmaTile.
+def gemm_kernel(n: int, k: int, tiles, epilogue: str, chunks: int = 1):
+    """gemm_int4(x, m, q0, s0, q1, s1, bias, out, partials, counters) for one shape, tile and
+    epilogue: the mma.sync kernel below for a TileShape, gemm_int4_wgmma's for a WgmmaTile, which
+    sums K in `chunks` chunks (gemm_int4_wgmma.py, "K chunks"; the mma.sync kernel in one).
 
     x uint32 [rows * K/2] (float16 pairs), m uint32, q* uint32 [N*K/8], s* uint16 [N*K/128] (FP16
-    bits), bias float16 [N], out float32 or float16 [rows * N]; all flat. q1/s1 (the up matrix) and
-    bias are read only by the epilogues that use them (pass any array of the type otherwise).
+    bits), bias float16 [N], out float32 or float16 [rows * N], partials float32 and counters uint32
+    (the split form's SplitWorkspace); all flat. q1/s1 (the up matrix), bias, partials and counters
+    are read only by the epilogues and forms that use them (pass any array of the type otherwise).
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
     if isinstance(tiles, WgmmaTile):
-        return wgmma_gemm_kernel(n, k, tiles, epilogue)
+        return wgmma_gemm_kernel(n, k, tiles, epilogue, chunks)
+    if chunks != 1:
+        raise ValueError(f"the mma.sync kernel ({tiles}) sums K in one chunk, not {chunks}")
     return mma_sync_gemm_kernel(n, k, tiles, epilogue)
 
 
@@ -200,7 +207,7 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
                         acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
 
     @cuda.jit
-    def gemm_int4(x, m, q0, s0, q1, s1, bias_values, out):
+    def gemm_int4(x, m, q0, s0, q1, s1, bias_values, out, partials, counters):
         a_tiles = cuda.shared.array(A_RING, uint32, alignment=SHARED_ALIGNMENT)
         b_tiles = cuda.shared.array(B_RING, uint32, alignment=SHARED_ALIGNMENT)
         a = cuda.local.array(A_FRAGMENTS, uint32)
@@ -308,11 +315,14 @@ class GemmTiling:
             shape.check(matrices)
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
+        # What a launch without the split form passes for its partials and counters (read by no one).
+        self._no_workspace = (cuda.device_array(1, np.float32), cuda.device_array(1, np.uint32))
 
     def tiles_for(self, m: int, epilogue: str) -> TileShape:
         return self.tiles or default_tiles_for(m, self.n, self.k, epilogue)
 
-    def launch(self, stream, kernel, tiles: TileShape, x, out, m: int, q0, s0, q1, s1, bias) -> None:
+    def launch(self, stream, kernel, tiles: TileShape, x, out, m: int, q0, s0, q1, s1, bias, chunks: int = 1,
+               workspace: "SplitWorkspace | None" = None) -> None:
         if x.dtype != np.float16 or x.ndim != 2 or x.shape[1] != self.k or x.shape[0] < m:
             raise ValueError(f"x must be float16 [>= {m}, {self.k}], got {x.dtype} {tuple(x.shape)}")
         if out.dtype != np.dtype(self.out_dtype) or out.ndim != 2 or out.shape[1] != self.n or out.shape[0] < m:
@@ -320,20 +330,42 @@ class GemmTiling:
         if m < 1:
             return
         grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
+        # Too few blocks for the SMs: each takes one K chunk (the split form, same bits).
+        split = has_split_form(tiles, chunks) and workspace is not None \
+            and workspace.fits(grid, tiles.block_m, self.n, chunks) and grid[0] * grid[1] < sm_count()
+        partials, counters = (workspace.partials, workspace.counters) if split else self._no_workspace
         shared = tiles.dynamic_shared_bytes
         if shared > STATIC_SHARED_BYTES:
             allow_dynamic_shared(kernel, out.dtype, shared)
-        kernel[grid, tiles.threads, stream, shared](x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias,
-                                                    out.reshape(out.size))
+        kernel[grid + ((chunks,) if split else ()), tiles.threads, stream, shared](
+            x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias, out.reshape(out.size), partials, counters)
+
+
+class SplitWorkspace:
+    """Device scratch for the wgmma kernel's split form (gemm_int4_wgmma.py, "K chunks"): the
+    chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a block tile, zero
+    between launches (the last block of a tile resets its own). Its owner passes it to every GEMM
+    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers once K_CHUNKS is more
+    than one); launches on one stream run one at a time, so they share it. Without one a GEMM
+    runs its sequential form, with the same bits."""
+
+    def __init__(self, rows: int, n: int, chunks: int, stream=0):
+        self.rows, self.n, self.chunks = rows, n, chunks
+        self.partials = cuda.device_array(chunks * rows * n, np.float32, stream=stream)
+        self.counters = cuda.to_device(np.zeros(max(1, rows // 16) * max(1, n // 64), np.uint32), stream=stream)
+
+    def fits(self, grid: tuple[int, int], block_m: int, n: int, chunks: int) -> bool:
+        return grid[0] * block_m <= self.rows and n <= self.n and chunks <= self.chunks \
+            and grid[0] * grid[1] <= self.counters.size
 
 
 class Int4Gemm:
     """out = x W^T (+ bias), or out += x W^T, for one INT4 linear at M rows; built by make_gemm_int4."""
 
-    def __init__(self, n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None):
+    def __init__(self, n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None, chunks=K_CHUNKS):
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
-        self.n, self.k, self.out_dtype = n, k, out_dtype
+        self.n, self.k, self.out_dtype, self.chunks = n, k, out_dtype, chunks
         self.tiling = GemmTiling(n, k, tiles, 1, out_dtype)
         self.qweight, self.scales = _weights(n, k, qweight, scales)
         self.bias = None if bias is None else on_device(bias, np.float16)
@@ -342,19 +374,22 @@ class Int4Gemm:
         self._unused_bias = cuda.device_array(1, np.float16) if bias is None else None
 
     def kernel(self, m: int, residual: bool = False):
-        """(kernel, tiles) this object launches for m rows; compiled on first use."""
+        """(kernel, tiles, K chunks) this object launches for m rows; compiled on first use."""
         if residual and (self.out_dtype != "float32" or self.bias is not None):
             raise ValueError("a residual GEMM accumulates into float32 and takes no bias")
         epilogue = "residual" if residual else ("bias" if self.bias is not None else "plain")
         tiles = self.tiling.tiles_for(m, epilogue)
-        return gemm_kernel(self.n, self.k, tiles, epilogue), tiles
+        chunks = k_chunks(self.k, tiles, epilogue, self.chunks)
+        return gemm_kernel(self.n, self.k, tiles, epilogue, chunks), tiles, chunks
 
-    def launch(self, stream, x, out, m: int, *, residual: bool = False) -> None:
-        """out[:m] = x[:m] W^T (+ bias), or out[:m] += x[:m] W^T when residual."""
-        kernel, tiles = self.kernel(m, residual)
+    def launch(self, stream, x, out, m: int, *, residual: bool = False,
+               workspace: SplitWorkspace | None = None) -> None:
+        """out[:m] = x[:m] W^T (+ bias), or out[:m] += x[:m] W^T when residual; with a workspace,
+        in the split form where the tiles alone would leave SMs idle (same bits)."""
+        kernel, tiles, chunks = self.kernel(m, residual)
         bias = self._unused_bias if self.bias is None else self.bias
         self.tiling.launch(stream, kernel, tiles, x, out, m, self.qweight, self.scales, self.qweight,
-                              self.scales, bias)
+                           self.scales, bias, chunks, workspace)
 
 
 class GateUpSiluGemm:
@@ -378,9 +413,12 @@ class GateUpSiluGemm:
                               self.up_s, self._unused_bias)
 
 
-def make_gemm_int4(n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None) -> Int4Gemm:
-    """An INT4 GEMM for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128])."""
-    return Int4Gemm(n, k, qweight, scales, bias=bias, out_dtype=out_dtype, tiles=tiles)
+def make_gemm_int4(n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None,
+                   chunks=K_CHUNKS) -> Int4Gemm:
+    """An INT4 GEMM for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128]), summing K
+    in `chunks` chunks on the tiles that can (gemm_int4_tiles.k_chunks; dev/gemm_k_chunks.py
+    measures other counts than the product's)."""
+    return Int4Gemm(n, k, qweight, scales, bias=bias, out_dtype=out_dtype, tiles=tiles, chunks=chunks)
 
 
 def make_gate_up_silu_gemm(n, k, gate_q, gate_s, up_q, up_s, *, tiles=None) -> GateUpSiluGemm:
@@ -396,7 +434,8 @@ def gemm_flops(m: int, n: int, k: int, matrices: int = 1) -> int:
 def gemm_signature(out=types.float32):
     """The Numba signature of gemm_kernel's kernels, output float32 or float16."""
     words, bits = types.uint32[::1], types.uint16[::1]
-    return types.void(words, types.uint32, words, bits, words, bits, types.float16[::1], out[::1])
+    return types.void(words, types.uint32, words, bits, words, bits, types.float16[::1], out[::1], types.float32[::1],
+                      words)
 
 
 def compile_targets() -> list[CompileTarget]:
@@ -418,15 +457,20 @@ def compile_targets() -> list[CompileTarget]:
             ("down_proj", hidden, intermediate, "residual", WG2_T256, types.float32),
             ("gate_up", intermediate, hidden, "gate_up_silu", WG2_T128, types.float16),
             ("qkv", qkv, hidden, "bias", WG1_T64, types.float32),
+            ("down_proj", hidden, intermediate, "residual", WG1_T64, types.float32),
             ("tiny, float16 out", 256, 256, "plain", WG1_T64, types.float16)):
+        chunks = k_chunks(k, tiles, epilogue)  # as the product sums this linear's K on this tile
         if isinstance(tiles, WgmmaTile):  # sm_90a; a 256-token tile issues n128 wgmmas
             width = min(tiles.tokens, 128)
             must = (f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.f16.f16", "wgmma.fence.sync.aligned",
                     "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned",
                     "fence.proxy.async.shared::cta") + feed
+            if has_split_form(tiles, chunks):  # the chunk sums' publication and fold
+                must += ("atom.global.add.u32", "membar.gl", "ld.global.cg.f32")
             cc = (9, 0, "a")
         else:
             must, cc = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",) + feed, (9, 0)
-        targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
-                                     gemm_kernel(n, k, tiles, epilogue), gemm_signature(out), must, cc=cc))
+        targets.append(CompileTarget(f"gemm_int4_{epilogue}_{TILE_NAMES[tiles]}{f'_k{chunks}' if chunks > 1 else ''}"
+                                     f"[{name} {n}x{k}]",
+                                     gemm_kernel(n, k, tiles, epilogue, chunks), gemm_signature(out), must, cc=cc))
     return targets

@@ -81,27 +81,61 @@ SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
 LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win for o_proj and down_proj (bench, M = 2048)
 
 
-def default_tiles_for(m: int, n: int, k: int, epilogue: str):
-    """The tile for M activation rows of an N x K linear with this epilogue.
+# K chunks of the linears whose wgmma tiles can sum them (gemm_int4_wgmma.py, "K chunks"). One
+# until dev/gemm_k_chunks.py's run on the H200 shows what 4 (the split form's candidate: 224-288
+# blocks instead of 56-72 at a few tokens) gains at few rows and costs at many.
+K_CHUNKS = 1
 
-    mma.sync's SMALL to M = 16; beyond, the fastest wgmma tile of bench's GEMM table on the H200
-    at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md, "Prefill GEMM"):
+
+def k_chunks(k: int, tiles, epilogue: str, wanted: int = K_CHUNKS) -> int:
+    """The chunks a linear's K is summed in on these tiles: `wanted` wherever the wgmma kernel can
+    (not gate/up, not a 256-token tile, at least `wanted` scale groups), else one. Fixed by the
+    linear, not by M, so every default tile of a linear sums a row alike (rows_sum_alike)."""
+    if not isinstance(tiles, WgmmaTile) or epilogue == "gate_up_silu" or tiles.tokens > 128 \
+            or k // GROUP_SIZE < wanted:
+        return 1
+    return wanted
+
+
+def summation(tiles, k: int, epilogue: str) -> tuple:
+    """How these tiles sum a row of a linear over K: ("wgmma", chunks) or ("mma.sync",). Tiles of
+    one summation give a row the same bits at any M (tests/test_gemm_gpu.py)."""
+    return ("wgmma", k_chunks(k, tiles, epilogue)) if isinstance(tiles, WgmmaTile) else ("mma.sync",)
+
+
+def rows_sum_alike(linears, ms) -> bool:
+    """Whether every linear (name, N, K, epilogue) sums a row the same way at every M in ms on its
+    default tiles, so that a prompt position's K/V has the same bits in whatever chunk computes
+    it: what lets the engine's prefix cache reuse pages (docs/DECODE.md, "Prefix cache")."""
+    return all(len({summation(default_tiles_for(m, n, k, epilogue), k, epilogue) for m in ms}) <= 1
+               for _, n, k, epilogue in linears)
+
+
+def default_tiles_for(m: int, n: int, k: int, epilogue: str):
+    """The tile for M activation rows of an N x K linear with this epilogue: the fastest wgmma
+    tile of bench's GEMM table on the H200 at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md,
+    "Prefill GEMM"), and WG1_T64 below 64 rows, where it beats mma.sync's SMALL (docs/PERFORMANCE.md,
+    "Prefill GEMM at a few rows"):
     - qkv: WG1_T64 to SHORT_PROMPT_ROWS, then WG1_T128;
-    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, WG2_T256 from there;
+    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, WG2_T256
+      from there where it sums K in the same chunks as WG2_T128 (it has no registers for more
+      than one: k_chunks);
     - gate_up: WG1_T64 to 64 rows, WG1_T128 to SHORT_PROMPT_ROWS, WG2_T128 from there (2026-12-03:
       280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048).
-    Every default is deterministic: split-K, faster for down_proj at 64 and 128 rows, is not one
-    (dev/gemm_wgmma_split_k.py). A tile that does not fit the shape (a small model's) falls back
-    to SMALL, which serves any M.
+    Every default is deterministic and sums a linear's rows one way at every M (rows_sum_alike).
+    Where the chosen tile does not fit the shape (a small model's) WG1_T64 serves, which sums
+    alike, and where no wgmma tile fits, SMALL serves every M.
     """
-    if m <= 16:
-        return SMALL
     if epilogue == "gate_up_silu":
         tiles = WG1_T64 if m <= 64 else WG1_T128 if m <= SHORT_PROMPT_ROWS else WG2_T128
     elif m <= SHORT_PROMPT_ROWS:
         tiles = WG1_T64
     elif epilogue == "residual":
-        tiles = WG2_T128 if m < LONG_PROMPT_ROWS else WG2_T256
+        long_tile = m >= LONG_PROMPT_ROWS and k_chunks(k, WG2_T256, epilogue) == k_chunks(k, WG2_T128, epilogue)
+        tiles = WG2_T256 if long_tile else WG2_T128
     else:
         tiles = WG1_T128
-    return tiles if tiles.fits(n, k, matrices_of(epilogue)) else SMALL
+    for candidate in (tiles, WG1_T64):
+        if candidate.fits(n, k, matrices_of(epilogue)):
+            return candidate
+    return SMALL

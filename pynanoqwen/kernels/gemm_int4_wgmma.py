@@ -40,6 +40,28 @@ Epilogues as in gemm_int4.py: `plain`, `bias` (QKV), `residual` (out += XW^T int
 residual), `gate_up_silu` (float16 out). Rows of X past M are
 zero-filled by the copies; only the epilogue checks tokens.
 
+K chunks. At a few tokens a block is latency-bound: one warpgroup's chain of copy, unpack and 4
+dependent wgmmas takes ~0.3 us a k tile whatever the ring's depth (6, 10 or 20 stages: down_proj
+89-95 us at 1-64 tokens, docs/PERFORMANCE.md), and o_proj and down_proj have only 56 blocks of 64
+weight rows for 132 SMs, qkv 72. More blocks need K split between them, and a split changes the
+order of the float32 sums, while the prefix cache needs a row's bits to be the same in whatever
+chunk of the prompt computes it. So a linear's K is summed the same way at every M: in `chunks`
+fixed chunks of whole scale groups (gemm_int4_tiles.k_chunks), each chunk's wgmmas accumulating
+from zero, and the chunk sums added left to right in float32, total = ((c0 + c1) + c2) + c3,
+before the epilogue. The product sums in one chunk (gemm_int4_tiles.K_CHUNKS) until
+dev/gemm_k_chunks.py has timed 4 on the H200; the simulator checks both forms' bits
+(tests/sim/test_gemm_sim.py). Two forms give those bits:
+- sequential (grid z = 1): a block runs every chunk, adding each chunk's accumulators into its
+  total registers after a wait for its wgmmas (ACCUMULATORS more registers: ptxas 213 at WG2_T128
+  against 147 in one chunk; a 256-token tile has no room, so those sum K in one chunk);
+- split (grid z = chunks, the few-token tiles only, has_split_form): block z runs chunk z and
+  publishes its sums to a SplitWorkspace; the tile's last block to arrive (threadfence, atomic
+  counter, threadfence, as decode attention's merge) reads the chunk sums through L2 and adds
+  them in chunk order, then runs the epilogue and resets the counter. The order of arrival
+  changes nothing: the adds are the sequential form's, in its order.
+The launcher (gemm_int4.GemmTiling) takes the split form where it is given a SplitWorkspace and
+the tiles alone would leave SMs idle.
+
 Cost per 64-wide k tile. A block does 2 x 64 WARPGROUPS x TOKENS x 64 FLOP and copies TOKENS x 128
 bytes of X and 64 WARPGROUPS x 32 bytes of W from L2: WG1_T128 (64 x 128) 1.05 MFLOP for 18 KiB,
 WG2_T128 2.1 MFLOP for 20 KiB, WG2_T256 4.2 MFLOP for 36 KiB. A warp issues 64 ALU instructions
@@ -68,6 +90,7 @@ from numba import cuda, float32, uint32
 
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
+from ..ptx.loads import ld_global_cg_f32
 from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
 from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
     wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
@@ -83,6 +106,7 @@ TILES_PER_GROUP = GROUP_SIZE // K_TILE  # 2: the k loop is unrolled by this
 ROWS_PER_WARPGROUP = 64
 TOKEN_TILES = SHAPES_N + (256,)  # 256 tokens: two n128 wgmmas per k step
 SHARED_LIMIT = 227 * 1024  # a block's dynamic shared memory on sm_90 (after cudaFuncSetAttribute)
+NO_TOKEN = U(0xFFFFFFFF)  # an accumulator entry of a padding token: no output word
 
 
 class GemmTile:
@@ -134,6 +158,23 @@ class WgmmaTile(GemmTile):
                              f"{SHARED_LIMIT} bytes of shared memory")
 
 
+def check_chunks(k: int, tiles: WgmmaTile, epilogue: str, chunks: int) -> None:
+    """Raise ValueError unless K splits into `chunks` chunks of whole scale groups that this tile
+    and epilogue can sum (the K chunks paragraph: not gate/up, not a 256-token tile)."""
+    if not 1 <= chunks <= k // GROUP_SIZE:
+        raise ValueError(f"K={k} cannot be summed in {chunks} chunks of whole {GROUP_SIZE}-wide groups")
+    if chunks > 1 and (epilogue == "gate_up_silu" or tiles.tokens > SHAPES_N[-1]):
+        raise ValueError(f"{tiles} with the {epilogue} epilogue sums K in one chunk: a chunk total would need "
+                         "registers it does not have")
+
+
+def has_split_form(tiles, chunks: int) -> bool:
+    """Whether the kernel for these tiles and K chunks compiles the split form: the few-token tiles
+    only. Its code costs the 128-token tiles ~40 registers (ptxas: 254 instead of 213 at WG2_T128),
+    and they serve prompts long enough to fill the SMs without it."""
+    return chunks > 1 and isinstance(tiles, WgmmaTile) and tiles.tokens == SHAPES_N[0]
+
+
 @cuda.jit(device=True, inline="always")
 def dequantize_pair(word, selector, mask, multiplier, offset, scale):
     """One lane's pair of a packed word (pair t: weights 2t, 2t+1, int4_unpack.py) times the half2 scale."""
@@ -159,10 +200,14 @@ def unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a):
 
 
 @functools.cache
-def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
-    """gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias, out), gemm_int4.gemm_kernel's operands."""
+def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1):
+    """gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias, out, partials, counters), gemm_int4.gemm_kernel's
+    operands, summing K in `chunks` fixed chunks (the K chunks paragraph)."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
+    check_chunks(k, tiles, epilogue, chunks)
+    CHUNKS = chunks
+    SPLIT_FORM = has_split_form(tiles, chunks)
     TOKENS, ROWS, STAGES, THREADS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads
     COLS = ROWS // matrices  # output columns per block
     if n % COLS or k % GROUP_SIZE:
@@ -246,25 +291,74 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
         wgmma_wait_group(1)  # the previous tile's wgmmas are done: its stage and registers are free
 
     @cuda.jit(device=True, inline="always")
-    def step(x, q0, q1, tile, ring, kt, plan, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
-        """k tile kt: wait, publish, refill, multiply."""
+    def step(x, q0, q1, tile, ring, kt, kt_end, plan, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt of the block's tiles before kt_end: wait, publish, refill, multiply."""
         cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
         fence_proxy_async_shared()  # ...are visible to the tensor cores...
         cuda.syncthreads()  # ...and everyone's are; every warpgroup is done with tile kt - 2's stage
         ahead = kt + U(AHEAD)
-        if ahead < U(GROUPS * TILES_PER_GROUP):
+        if ahead < kt_end:
             load_stage(x, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), ahead, plan)
         cp_async_commit_group()  # possibly empty: keeps one group per k tile
         stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
         multiply_tile(tile, stage_word, stage_word + w_offset, unpack, scale_a, scale_b, a, acc, acc_high)
 
+    @cuda.jit(device=True, inline="always")
+    def chunk_groups(c):
+        """The scale groups [first, end) of K chunk c: fixed by K and CHUNKS, whatever the launch."""
+        return c * U(GROUPS) // U(CHUNKS), (c + U(1)) * U(GROUPS) // U(CHUNKS)
+
+    @cuda.jit(device=True, inline="always")
+    def output_word(i, h, e, m, m0, n0, column, t):
+        """Where accumulator entry 4i + 2h + e (D[row + 8h, token 8i + 2t + e]) lands in out[M, N];
+        NO_TOKEN for a padding token."""
+        token = m0 + U(8 * i + e) + U(2) * t
+        return token * U(n) + n0 + column if token < m else NO_TOKEN
+
+    @cuda.jit(device=True, inline="always")
+    def total_of_splits(partials, counters, m, m0, n0, col_a, col_b, t, total):
+        """Split form: publish this block's chunk sum, count the block in, and in the tile's last
+        block to arrive (the others return False) fold every chunk's sum in chunk order into
+        total, the sequential form's order. A chunk's sums are gridDim.x TOKENS rows x n words."""
+        rows = U(cuda.gridDim.x) * U(TOKENS) * U(n)
+        tile_id = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
+        z = U(cuda.blockIdx.z)
+        for i in range(WIDTH // 8):
+            for h in range(2):
+                for e in range(2):
+                    at = output_word(i, h, e, m, m0, n0, col_b if h else col_a, t)
+                    if at != NO_TOKEN:
+                        partials[z * rows + at] = total[4 * i + 2 * h + e]
+        cuda.threadfence()
+        cuda.syncthreads()  # every warpgroup is done with the ring, and every partial is published
+        if cuda.threadIdx.x == 0:  # the ring is idle now: its first word carries the verdict to the block
+            last = cuda.atomic.add(counters, tile_id, U(1)) == U(CHUNKS - 1)
+            cuda.shared.array(0, uint32)[0] = U(1) if last else U(0)
+        cuda.syncthreads()
+        if cuda.shared.array(0, uint32)[0] == U(0):
+            return False
+        cuda.threadfence()
+        if cuda.threadIdx.x == 0:
+            counters[tile_id] = U(0)  # every block of the tile has counted: ready for the next launch
+        for i in range(WIDTH // 8):
+            for h in range(2):
+                for e in range(2):
+                    at = output_word(i, h, e, m, m0, n0, col_b if h else col_a, t)
+                    if at != NO_TOKEN:
+                        value = float32(ld_global_cg_f32(partials, at))
+                        for c in range(1, CHUNKS):  # float32 adds (the simulator's loads give Python floats)
+                            value = float32(value + ld_global_cg_f32(partials, U(c) * rows + at))
+                        total[4 * i + 2 * h + e] = value
+        return True
+
     @cuda.jit
-    def gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias_values, out):
+    def gemm_int4_wgmma(x, m, q0, s0, q1, s1, bias_values, out, partials, counters):
         tile = cuda.shared.array(0, uint32)
         a_even = cuda.local.array(16, uint32)  # A fragments of even / odd k tiles: the previous
         a_odd = cuda.local.array(16, uint32)  # tile's wgmma still reads its registers
         acc = cuda.local.array(ACCUMULATORS, float32)
         acc_high = cuda.local.array(ACCUMULATORS, float32)  # used when HALVES == 2
+        total = cuda.local.array(ACCUMULATORS, float32)  # the chunks' sums so far (CHUNKS > 1)
         m = U(m)
         m0 = U(cuda.blockIdx.x) * U(TOKENS)
         n0 = U(cuda.blockIdx.y) * U(COLS)
@@ -290,20 +384,44 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
                 cuda.local.array(X_COPIES, uint32), cuda.local.array(W_COPIES, uint32),
                 cuda.local.array(W_COPIES, uint32), cuda.local.array(W_COPIES, uint32))
         copy_plan(m, m0, n0, plan)
+        # The sequential form (grid z = 1) runs every chunk; the split form block z chunk z.
+        split = SPLIT_FORM and cuda.gridDim.z > 1
+        chunk_first = U(cuda.blockIdx.z) if split else U(0)
+        chunk_end = chunk_first + U(1) if split else U(CHUNKS)
+        group_first, _ = chunk_groups(chunk_first)
+        _, group_end = chunk_groups(chunk_end - U(1))
+        kt_first, kt_end = group_first * U(TILES_PER_GROUP), group_end * U(TILES_PER_GROUP)
         for s in range(AHEAD):
-            load_stage(x, q0, q1, tile, ring + U(s * STAGE_WORDS), U(s), plan)
-            cp_async_commit_group()
-        next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(0))
-        next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(0))
-        for group in range(GROUPS):
-            scale_a, scale_b = next_a, next_b
-            if group + 1 < GROUPS:  # fetched a group ahead: the loads' latency hides behind it
-                next_a = half2_scale(s0, s1, n0 + col_a, up_a, U(group + 1))
-                next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(group + 1))
-            kt = U(group * TILES_PER_GROUP)
-            step(x, q0, q1, tile, ring, kt, plan, w_offset, unpack, scale_a, scale_b, a_even, acc, acc_high)
-            step(x, q0, q1, tile, ring, kt + U(1), plan, w_offset, unpack, scale_a, scale_b, a_odd, acc, acc_high)
+            if kt_first + U(s) < kt_end:
+                load_stage(x, q0, q1, tile, ring + ((kt_first + U(s)) % U(STAGES)) * U(STAGE_WORDS), kt_first + U(s),
+                           plan)
+            cp_async_commit_group()  # possibly empty: keeps one group per k tile
+        next_a = half2_scale(s0, s1, n0 + col_a, up_a, group_first)
+        next_b = half2_scale(s0, s1, n0 + col_b, up_b, group_first)
+        for chunk in range(chunk_first, chunk_end):
+            first, end = chunk_groups(U(chunk))
+            for g_index in range(first, end):
+                group = U(g_index)
+                scale_a, scale_b = next_a, next_b
+                if group + U(1) < group_end:  # fetched a group ahead: the loads' latency hides behind it
+                    next_a = half2_scale(s0, s1, n0 + col_a, up_a, group + U(1))
+                    next_b = half2_scale(s0, s1, n0 + col_b, up_b, group + U(1))
+                kt = group * U(TILES_PER_GROUP)
+                step(x, q0, q1, tile, ring, kt, kt_end, plan, w_offset, unpack, scale_a, scale_b, a_even, acc,
+                     acc_high)
+                step(x, q0, q1, tile, ring, kt + U(1), kt_end, plan, w_offset, unpack, scale_a, scale_b, a_odd, acc,
+                     acc_high)
+            if CHUNKS > 1:  # the chunk's sum joins the total, left to right; the next chunk starts at 0
+                wgmma_wait_group(0)
+                for c in range(ACCUMULATORS):
+                    total[c] = acc[c] if U(chunk) == chunk_first else total[c] + acc[c]
+                    acc[c] = float32(0)
         wgmma_wait_group(0)
+        if CHUNKS == 1:
+            for c in range(ACCUMULATORS):
+                total[c] = acc[c]
+        elif split and not total_of_splits(partials, counters, m, m0, n0, col_a, col_b, t, total):
+            return
 
         # acc[4i + 2h + e] is D[row_a + 8h, token 8i + 2t + e] (acc_high: token WIDTH + 8i + 2t + e)
         for half in range(HALVES):
@@ -311,8 +429,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str):
                 for e in range(2):
                     token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
                     if token < m:
-                        first = acc_high[4 * i + e] if half else acc[4 * i + e]
-                        second = acc_high[4 * i + 2 + e] if half else acc[4 * i + 2 + e]
+                        first = acc_high[4 * i + e] if half else total[4 * i + e]
+                        second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
                         at = token * U(n) + n0
                         if GATE_UP:  # first is the gate, second the up projection of column col_a
                             out[at + col_a] = first / (float32(1) + math.exp(-first)) * second

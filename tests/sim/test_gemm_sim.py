@@ -167,6 +167,55 @@ def test_gemm_gaussian_activations_within_accumulation_bound(tiles):
     assert np.all(np.abs(y - x64 @ w.T) <= (U16 + 37 * (k // 16 + 1) * U32) * magnitude)
 
 
+def gaussian_linear(rng, n, k):
+    qweight = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = (rng.uniform(0.005, 0.5, size=(n, k // 128)) * rng.choice([-1, 1], size=(n, k // 128))).astype(np.float16)
+    return qweight, scales, dequantize_int4(qweight, scales, np.float64)
+
+
+@pytest.mark.parametrize("k, epilogue", [(512, "residual"), (640, "bias")])  # 4 groups, 1 a chunk; 5 in 4 chunks
+def test_k_chunks_split_form_has_the_sequential_forms_bits(k, epilogue):
+    """The wgmma kernel summing K in 4 chunks (gemm_int4_wgmma.py, "K chunks"). Its split form
+    (one block a chunk, the tile's last block folds the chunk sums) must give the bits of its
+    sequential form (one block, all chunks): Gaussian operands, where another order of the float32
+    adds shows in the last bits (the simulated wgmma rounds at every k step). The rows of a 9-row
+    launch (split: one token tile, one column tile, below the simulator's 2 SMs) must also be the
+    first 9 rows of a 70-row launch (sequential: two token tiles), as the prefix cache needs. A
+    second split launch checks that the last block reset its counter. And against float64 within
+    the accumulation bound plus the chunks' adds (3 more float32 roundings, each at most u32 of the
+    magnitude)."""
+    from pynanoqwen.kernels.gemm_int4 import SplitWorkspace
+
+    rng = np.random.default_rng()
+    n, tiles, chunks = 64, SIM_WGMMA, 4
+    qweight, scales, w = gaussian_linear(rng, n, k)
+    bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
+    x = rng.standard_normal((70 + EXTRA_ROWS, k)).astype(np.float16)
+    out = rng.standard_normal((70 + EXTRA_ROWS, n)).astype(np.float32)
+    gemm = make_gemm_int4(n, k, qweight, scales, bias=bias, tiles=tiles, chunks=chunks)
+    assert gemm.kernel(9, epilogue == "residual")[2] == chunks
+    residual = epilogue == "residual"
+    workspace = SplitWorkspace(64, n, chunks)
+    split = [run_with(gemm, x, out, 9, residual, workspace) for _ in range(2)]
+    sequential = run_with(gemm, x, out, 9, residual, None)
+    longer = run_with(gemm, x, out, 70, residual, workspace)  # two token tiles: 2 blocks, sequential
+    assert np.array_equal(split[0], sequential) and np.array_equal(split[1], sequential)
+    assert np.array_equal(longer[:9], sequential)
+    x64 = x[:70].astype(np.float64)
+    expected = x64 @ w.T + (out[:70] if residual else bias.astype(np.float64))
+    magnitude = np.abs(x64) @ np.abs(w.T)
+    bound = (U16 + (37 * (k // 16 + 1) + chunks) * U32) * magnitude + U32 * np.abs(expected)
+    assert np.all(np.abs(longer - expected) <= bound)
+
+
+def run_with(gemm, x, out, m, residual, workspace):
+    out_device = cuda.to_device(out)
+    gemm.launch(0, cuda.to_device(x), out_device, m, residual=residual, workspace=workspace)
+    result = out_device.copy_to_host()
+    assert np.array_equal(result[m:], out[m:]), "rows past m were written"
+    return result[:m]
+
+
 def test_shapes_that_do_not_tile_are_refused():
     rng = np.random.default_rng()
     qweight, scales, _ = exact_linear(rng, 48, 256)
