@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
-SCRIPTS = ["attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_timeline.py", "profile_one.py",
-           "ptx_loop_mix.py", "stream_read.py"]
+SCRIPTS = ["attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_timeline.py", "l2_prefetch_decode.py",
+           "profile_one.py", "ptx_loop_mix.py", "stream_read.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
