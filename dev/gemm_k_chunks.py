@@ -1,4 +1,4 @@
-"""The wgmma GEMM summing K in 4 chunks (sequential and split forms) against the product's one chunk.
+"""The wgmma GEMM summing K in 4 chunks (sequential and split forms) against one chunk.
 
 The product's wgmma kernel (pynanoqwen/kernels/gemm_int4_wgmma.py, "K chunks"; read it first)
 can sum a linear's K in fixed chunks, and then runs few-token tiles in a split form: one block a
@@ -7,19 +7,18 @@ sequential form at every M. At a few tokens that turns qkv's 72 and o_proj's and
 blocks of 64 weight rows into 4 times as many; a block there is latency-bound (~0.3 us a k tile
 whatever the ring's depth: docs/PERFORMANCE.md, "Prefill GEMM at a few rows"). The price is at
 many tokens: a second accumulator set (ptxas: 213 registers instead of 147 at WG2_T128) and no
-256-token tile for o_proj and down_proj (538 against 574 us for down_proj at 2048 rows). The
-product keeps one chunk (gemm_int4_tiles.K_CHUNKS) until this file's run on the H200 shows the
-trade. What enabling it takes: K_CHUNKS = 4, a kernels/gemm_int4.SplitWorkspace in the engine's
-prefill buffers (engine/buffers.py, counted by engine/memory.device_bytes) that
-engine/schedule.PrefillOps passes to the qkv, o_proj and down_proj launches.
+256-token tile for o_proj and down_proj. Measured on the H100 (docs/PERFORMANCE.md, "K chunks
+measured"): down_proj 2.3x faster at 1-22 tokens, qkv and o_proj 1-6 us, and every linear slower
+from 64 rows on; so the product sums down_proj (a K of gemm_int4_tiles.CHUNKED_K or more) in 4
+chunks and qkv and o_proj in one. This file times all three both ways.
 
     python dev/gemm_k_chunks.py
 
 `check` runs both forms against float64 (the product's bound plus the 3 chunk adds, each at most
-u32 of the magnitude: oracles.gemm_oracle counts K_CHUNKS of them) and compares bits: a row must
+u32 of the magnitude) and compares bits: a row must
 come out the same in the split form at 1 and 22 tokens, the sequential form at 22 and 100 tokens,
-and the 128-token tiles at 512 and 2048. `timings` gives us per call against the product's
-defaults at 1 to 2048 tokens, weights rotated through twice the L2.
+and the 128-token tiles at 512 and 2048. `timings` gives us per call of one chunk and of 4 on
+the product's tiles at 1 to 2048 tokens, weights rotated through twice the L2.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from numba import cuda, types
 from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, random_int4, run, time_calls
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.gemm_int4 import SplitWorkspace, gemm_kernel, gemm_signature, make_gemm_int4
-from pynanoqwen.kernels.gemm_int4_tiles import SHORT_PROMPT_ROWS, TILE_NAMES, WG1_T64, WG1_T128, WG2_T128
+from pynanoqwen.kernels.gemm_int4_tiles import LONG_PROMPT_ROWS, SHORT_PROMPT_ROWS, TILE_NAMES, WG1_T64, WG1_T128, \
+    WG2_T128, WG2_T256
 from pynanoqwen.oracles import U32, passed
 
 CHUNKS = 4
@@ -43,6 +43,12 @@ def chunked_tiles(m: int, epilogue: str):
     if m <= SHORT_PROMPT_ROWS:
         return WG1_T64
     return WG2_T128 if epilogue == "residual" else WG1_T128
+
+
+def one_chunk_tiles(m: int, epilogue: str):
+    """The tiles of a linear summed in one chunk: as chunked_tiles, but WG2_T256 for the residual
+    linears from LONG_PROMPT_ROWS (what the product gives o_proj, and gave down_proj before)."""
+    return WG2_T256 if epilogue == "residual" and m >= LONG_PROMPT_ROWS else chunked_tiles(m, epilogue)
 
 
 def launcher(n: int, k: int, epilogue: str, chunks: int, workspace):
@@ -110,10 +116,10 @@ def timings(ms=(1, 16, 22, 64, 128, 512, 2048)) -> list[dict]:
                                                               workspace=space)
                 return make
 
-            rows.append({"linear": name, "M": m, "product us": time_calls(build(1, None, None), n, k, m),
+            rows.append({"linear": name, "M": m, "1 chunk us": time_calls(build(1, one_chunk_tiles(m, epilogue), None), n, k, m),
                          f"{CHUNKS} chunks us": time_calls(build(CHUNKS, chunked_tiles(m, epilogue), workspace), n, k, m)})
     return rows
 
 
 if __name__ == "__main__":
-    run(check, timings, f"the wgmma GEMM in {CHUNKS} K chunks against the product's one (us per call)")
+    run(check, timings, f"the wgmma GEMM in {CHUNKS} K chunks against one (us per call)")

@@ -8,6 +8,8 @@
 - `Activations`: one token's activations, from the residual stream h to the logits.
 - `KvPool`: the paged FP16 KV cache of every layer, PAGE_SIZE positions a page.
 - `PrefillRows`: the prefill activations of one bucket of rows, views of the largest bucket's.
+- `split`: the prefill GEMMs' kernels/gemm_int4.SplitWorkspace, where a linear sums K in chunks
+  split between blocks at a few rows (down_proj at 7B).
 Pools and prefill rows are zeroed once, so that no buffer ever holds NaN bit patterns that a
 padding row or an unused page could carry into a sum.
 """
@@ -22,7 +24,10 @@ from numba.cuda.cudadrv.driver import device_memset
 
 from ..config import ModelConfig
 from ..kernels import PAGE_SIZE
+from ..kernels.gemm_int4 import SplitWorkspace
+from ..kernels.gemm_int4_tiles import K_CHUNKS
 from ..kernels.rope_kv_write import rope_cos_sin
+from .memory import split_workspace_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +81,7 @@ class Buffers:
     chunk: object  # int32 [2]: (start, m) of the prefill chunk in flight, written by the host
     host_tokens: object  # pinned int32 [2]: the host's two slots of token streaming
     token_ready: list  # the event of each slot's copy
+    split: object = None  # SplitWorkspace of the prefill GEMMs; None without batched prefill or chunked linears
 
 
 def max_pages(max_context: int) -> int:
@@ -99,7 +105,7 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
                       logits=cuda.device_array(cfg.vocab_size, np.float32))
     shape = (cfg.num_layers, pages, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
     kv = KvPool(_zeros(shape, np.float16, stream), _zeros(shape, np.float16, stream))
-    prefill = {}
+    prefill, split = {}, None
     if buckets:
         rows = buckets[-1]
         full = PrefillRows(h=_zeros((rows, cfg.hidden_size), np.float32, stream),
@@ -110,10 +116,12 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
                            mlp=_zeros((rows, cfg.intermediate_size), np.float16, stream))
         views = [getattr(full, field.name) for field in dataclasses.fields(full)]
         prefill = {bucket: PrefillRows(*(view[:bucket] for view in views)) for bucket in buckets}
+        shape = split_workspace_shape(cfg)
+        split = SplitWorkspace(*shape, K_CHUNKS, stream=stream) if shape else None
     cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, max_context)
     return Buffers(state, act, kv, cuda.to_device(cos, stream=stream), cuda.to_device(sin, stream=stream), prefill,
                    chunk=cuda.device_array(2, np.int32), host_tokens=cuda.pinned_array(2, np.int32),
-                   token_ready=[cuda.event(timing=False) for _ in range(2)])
+                   token_ready=[cuda.event(timing=False) for _ in range(2)], split=split)
 
 
 def _zeros(shape, dtype, stream):

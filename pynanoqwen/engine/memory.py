@@ -18,6 +18,8 @@ from ..errors import NanoQwenError
 from ..kernels.attention_decode import default_num_splits
 from ..kernels.attention_prefill import split_records
 from ..kernels import PAGE_SIZE
+from ..kernels.gemm_int4 import SplitWorkspace
+from ..kernels.gemm_int4_tiles import K_CHUNKS, SHORT_PROMPT_ROWS, WG1_T64, k_chunks
 from ..kernels.sampling import Sampler
 from ..tensors import stored_tensors
 
@@ -43,6 +45,14 @@ def prefill_row_bytes(cfg: ModelConfig) -> int:
     return 6 * cfg.hidden_size + 4 * (cfg.q_size + 2 * cfg.kv_size) + 6 * cfg.q_size + 2 * cfg.intermediate_size
 
 
+def split_workspace_shape(cfg: ModelConfig) -> tuple[int, int] | None:
+    """(rows, N) of the prefill GEMMs' SplitWorkspace: the rows of the 64-token tiles (up to
+    SHORT_PROMPT_ROWS) by the widest linear that sums K in chunks there (down_proj at 7B); None
+    when no linear of this model does (gemm_int4_tiles.k_chunks)."""
+    widths = [n for _, n, k, epilogue in cfg.engine_linears if k_chunks(k, WG1_T64, epilogue) > 1]
+    return (SHORT_PROMPT_ROWS, max(widths)) if widths else None
+
+
 def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1],
                  *, attention_splits: int | None = None) -> dict[str, int]:
     """What the engine allocates on the device for a model whose file tensors total weight_bytes
@@ -51,6 +61,8 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
     pages = -(-max_context // PAGE_SIZE)
     splits = default_num_splits(cfg.num_kv_heads) if attention_splits is None else attention_splits
     split_attention = 4 * split_records(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pages) if prefill_rows else 0
+    split_shape = split_workspace_shape(cfg) if prefill_rows else None
+    split_gemm = SplitWorkspace.nbytes(*split_shape, K_CHUNKS) if split_shape else 0
     return {
         "weights": weight_bytes,
         "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
@@ -60,7 +72,7 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
         "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
                                 if prefill_rows else 0),
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
-                       + 4 * cfg.num_kv_heads + split_attention),
+                       + 4 * cfg.num_kv_heads + split_attention + split_gemm),
         "reserve": RESERVED_BYTES,
     }
 

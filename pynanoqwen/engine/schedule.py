@@ -241,7 +241,8 @@ class PrefillOps(DecodeOps):
     def qkv(self, index: int, layer: DeviceLayer) -> Launch:
         n = self.cfg.q_size + 2 * self.cfg.kv_size
         return self._launch("qkv", index, layer.prefill.qkv.launch, (self.b.xn, self.b.qkv, self.rows),
-                            {"qkv": self.b.qkv}, self._gemm(n, self.cfg.hidden_size, 4) + 2 * n, "gemm")
+                            {"qkv": self.b.qkv}, self._gemm(n, self.cfg.hidden_size, 4) + 2 * n, "gemm",
+                            workspace=self.buffers.split)
 
     def rope_kv_write(self, index: int) -> list[Launch]:
         cfg, b, s = self.cfg, self.b, self.state
@@ -262,7 +263,8 @@ class PrefillOps(DecodeOps):
     def o_proj(self, index: int, layer: DeviceLayer) -> Launch:
         h = self.cfg.hidden_size
         return self._launch("o_proj", index, layer.prefill.o_proj.launch, (self.b.attn, self.b.h, self.rows),
-                            {"h": self.b.h}, self._gemm(h, self.cfg.q_size, 8), "gemm", residual=True)
+                            {"h": self.b.h}, self._gemm(h, self.cfg.q_size, 8), "gemm", residual=True,
+                            workspace=self.buffers.split)
 
     def gate_up(self, index: int, layer: DeviceLayer) -> Launch:
         h, i = self.cfg.hidden_size, self.cfg.intermediate_size
@@ -272,7 +274,8 @@ class PrefillOps(DecodeOps):
     def down(self, index: int, layer: DeviceLayer) -> Launch:
         h = self.cfg.hidden_size
         return self._launch("down", index, layer.prefill.down.launch, (self.b.mlp, self.b.h, self.rows),
-                            {"h": self.b.h}, self._gemm(h, self.cfg.intermediate_size, 8), "gemm", residual=True)
+                            {"h": self.b.h}, self._gemm(h, self.cfg.intermediate_size, 8), "gemm", residual=True,
+                            workspace=self.buffers.split)
 
     def last_row(self) -> list[Launch]:
         a, s = self.act, self.state

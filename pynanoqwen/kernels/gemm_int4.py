@@ -90,7 +90,7 @@ from ..device import sm_count
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ld_shared_v4_u32, mma_m16n8k16
 from . import CompileTarget, on_device
-from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_CHUNKS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
+from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
     TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, k_chunks, matrices_of
 from .gemm_int4_wgmma import WgmmaTile, has_split_form, wgmma_gemm_kernel
 from .int4_unpack import unpack8
@@ -345,14 +345,23 @@ class SplitWorkspace:
     """Device scratch for the wgmma kernel's split form (gemm_int4_wgmma.py, "K chunks"): the
     chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a block tile, zero
     between launches (the last block of a tile resets its own). Its owner passes it to every GEMM
-    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers once K_CHUNKS is more
-    than one); launches on one stream run one at a time, so they share it. Without one a GEMM
-    runs its sequential form, with the same bits."""
+    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers, engine/buffers.py);
+    launches on one stream run one at a time, so they share it. Without one a GEMM runs its
+    sequential form, with the same bits."""
 
     def __init__(self, rows: int, n: int, chunks: int, stream=0):
         self.rows, self.n, self.chunks = rows, n, chunks
         self.partials = cuda.device_array(chunks * rows * n, np.float32, stream=stream)
-        self.counters = cuda.to_device(np.zeros(max(1, rows // 16) * max(1, n // 64), np.uint32), stream=stream)
+        self.counters = cuda.to_device(np.zeros(self.counter_count(rows, n), np.uint32), stream=stream)
+
+    @staticmethod
+    def counter_count(rows: int, n: int) -> int:
+        return max(1, rows // 16) * max(1, n // 64)
+
+    @classmethod
+    def nbytes(cls, rows: int, n: int, chunks: int) -> int:
+        """Device bytes of a workspace of this size (engine/memory.py counts it before allocating)."""
+        return 4 * chunks * rows * n + 4 * cls.counter_count(rows, n)
 
     def fits(self, grid: tuple[int, int], block_m: int, n: int, chunks: int) -> bool:
         return grid[0] * block_m <= self.rows and n <= self.n and chunks <= self.chunks \
@@ -362,7 +371,7 @@ class SplitWorkspace:
 class Int4Gemm:
     """out = x W^T (+ bias), or out += x W^T, for one INT4 linear at M rows; built by make_gemm_int4."""
 
-    def __init__(self, n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None, chunks=K_CHUNKS):
+    def __init__(self, n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None, chunks=None):
         if out_dtype not in ("float32", "float16"):
             raise ValueError(f"out_dtype must be 'float32' or 'float16', got {out_dtype!r}")
         self.n, self.k, self.out_dtype, self.chunks = n, k, out_dtype, chunks
@@ -414,10 +423,10 @@ class GateUpSiluGemm:
 
 
 def make_gemm_int4(n, k, qweight, scales, *, bias=None, out_dtype="float32", tiles=None,
-                   chunks=K_CHUNKS) -> Int4Gemm:
+                   chunks=None) -> Int4Gemm:
     """An INT4 GEMM for W [n, k] (qweight uint32 [n, k/8], scales float16 [n, k/128]), summing K
-    in `chunks` chunks on the tiles that can (gemm_int4_tiles.k_chunks; dev/gemm_k_chunks.py
-    measures other counts than the product's)."""
+    in `chunks` chunks on the tiles that can (gemm_int4_tiles.k_chunks; None: the product's count
+    for this K; dev/gemm_k_chunks.py measures others)."""
     return Int4Gemm(n, k, qweight, scales, bias=bias, out_dtype=out_dtype, tiles=tiles, chunks=chunks)
 
 

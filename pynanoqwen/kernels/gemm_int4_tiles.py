@@ -81,16 +81,23 @@ SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
 LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win for o_proj and down_proj (bench, M = 2048)
 
 
-# K chunks of the linears whose wgmma tiles can sum them (gemm_int4_wgmma.py, "K chunks"). One
-# until dev/gemm_k_chunks.py's run on the H200 shows what 4 (the split form's candidate: 224-288
-# blocks instead of 56-72 at a few tokens) gains at few rows and costs at many.
-K_CHUNKS = 1
+# K chunks of a long K (down_proj's 18944 at 7B) on the wgmma tiles that can sum them
+# (gemm_int4_wgmma.py, "K chunks"). Measured (dev/gemm_k_chunks.py, H100, 2026-12-05; us a call,
+# product / 4 chunks): down_proj 91.4 / 38.0 at 1 token, 91.3 / 40.6 at 22, 94.0 / 48.8 at 64,
+# 94.4 / 81.6 at 128, but 147.1 / 152.7 at 512 and 525.9 / 608.1 at 2048 (no 256-token tile); qkv
+# and o_proj gain 3-6 us at 1-22 tokens and lose 2-5 at 64 and 3-24 from 512 on, so a short K
+# keeps one chunk (docs/PERFORMANCE.md, "Prefill GEMM at a few rows: K in chunks measured").
+K_CHUNKS = 4
+CHUNKED_K = 8192  # from this K on a linear sums in K_CHUNKS chunks
 
 
-def k_chunks(k: int, tiles, epilogue: str, wanted: int = K_CHUNKS) -> int:
-    """The chunks a linear's K is summed in on these tiles: `wanted` wherever the wgmma kernel can
-    (not gate/up, not a 256-token tile, at least `wanted` scale groups), else one. Fixed by the
-    linear, not by M, so every default tile of a linear sums a row alike (rows_sum_alike)."""
+def k_chunks(k: int, tiles, epilogue: str, wanted: int | None = None) -> int:
+    """The chunks a linear's K is summed in on these tiles: `wanted` (None: the product's choice,
+    K_CHUNKS for a K of CHUNKED_K or more, else one) wherever the wgmma kernel can (not gate/up,
+    not a 256-token tile, at least `wanted` scale groups), else one. Fixed by the linear, not by
+    M, so every default tile of a linear sums a row alike (rows_sum_alike)."""
+    if wanted is None:
+        wanted = K_CHUNKS if k >= CHUNKED_K else 1
     if not isinstance(tiles, WgmmaTile) or epilogue == "gate_up_silu" or tiles.tokens > 128 \
             or k // GROUP_SIZE < wanted:
         return 1

@@ -48,9 +48,9 @@ order of the float32 sums, while the prefix cache needs a row's bits to be the s
 chunk of the prompt computes it. So a linear's K is summed the same way at every M: in `chunks`
 fixed chunks of whole scale groups (gemm_int4_tiles.k_chunks), each chunk's wgmmas accumulating
 from zero, and the chunk sums added left to right in float32, total = ((c0 + c1) + c2) + c3,
-before the epilogue. The product sums in one chunk (gemm_int4_tiles.K_CHUNKS) until
-dev/gemm_k_chunks.py has timed 4 on the H200; the simulator checks both forms' bits
-(tests/sim/test_gemm_sim.py). Two forms give those bits:
+before the epilogue. The product sums a long K (down_proj's 18944) in 4 chunks and a short one
+in one (gemm_int4_tiles.k_chunks: measured on the H100 and H200, docs/PERFORMANCE.md, "K chunks
+measured"); the simulator checks both forms' bits (tests/sim/test_gemm_sim.py). Two forms give those bits:
 - sequential (grid z = 1): a block runs every chunk, adding each chunk's accumulators into its
   total registers after a wait for its wgmmas (ACCUMULATORS more registers: ptxas 213 at WG2_T128
   against 147 in one chunk; a 256-token tile has no room, so those sum K in one chunk);
