@@ -41,7 +41,6 @@ from pynanoqwen.bench import time_generation
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.engine import CudaBackend
 from pynanoqwen.engine import schedule
-from pynanoqwen.engine.capture import GraphCache
 from pynanoqwen.launch import launch
 from pynanoqwen.ptx.griddep import grid_dependency_wait, launch_dependents
 from pynanoqwen.ptx.mbarrier import inline_ptx
@@ -108,15 +107,16 @@ class Prefetch:
         launch(prefetch_kernel, (blocks,), (THREADS,), stream, (self.addresses, self.sizes, np.int32(self.count)))
 
 
+PRODUCT_LAYER_LAUNCHES = schedule.layer_launches  # what each variant's schedule wraps
+
+
 def set_variant(backend, variant):
     """Rebuild the decode step's launch lists with `variant` (None, or (megabytes, prefetch_o))
     after each QKV GEMV, and capture them again."""
-    product = schedule.layer_launches.__wrapped__ if hasattr(schedule.layer_launches, "__wrapped__") \
-        else schedule.layer_launches
     prefetches = [Prefetch(layer, *variant) for layer in backend.weights.layers] if variant else None
 
     def layer_launches(ops, index):
-        launches = product(ops, index)
+        launches = PRODUCT_LAYER_LAUNCHES(ops, index)
         if prefetches is None or type(ops) is not schedule.DecodeOps:
             return launches
         p = prefetches[index]
@@ -124,17 +124,9 @@ def set_variant(backend, variant):
         at = [launch.stage for launch in launches].index("qkv") + 1
         return launches[:at] + [extra] + launches[at:]
 
-    layer_launches.__wrapped__ = product
     schedule.layer_launches = layer_launches
-    backend.steps = {key: schedule.forward_launches(backend.ops, *key) for key in backend.steps}
     backend.graphs.close()
-    backend.graphs = GraphCache(backend.stream)
-    for method in {m for m, _ in backend.steps}:
-        backend.reset([0], SamplingParams(temperature=1.0, top_k=2))
-        schedule.run_all(backend.steps[method, True], backend.stream)
-    backend.stream.synchronize()
-    for key, launches in backend.steps.items():
-        backend.graphs.capture(key, launches)
+    backend.build_steps()
     return sum(p.bytes for p in prefetches) / len(prefetches) if prefetches else 0
 
 
