@@ -41,6 +41,7 @@ from pynanoqwen.bench import time_generation
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.engine import CudaBackend
 from pynanoqwen.engine import schedule
+from pynanoqwen.engine.capture import GraphCache
 from pynanoqwen.launch import launch
 from pynanoqwen.ptx.griddep import grid_dependency_wait, launch_dependents
 from pynanoqwen.ptx.mbarrier import inline_ptx
@@ -125,8 +126,15 @@ def set_variant(backend, variant):
         return launches[:at] + [extra] + launches[at:]
 
     schedule.layer_launches = layer_launches
+    backend.steps = {key: schedule.forward_launches(backend.ops, *key) for key in backend.steps}
     backend.graphs.close()
-    backend.build_steps()
+    backend.graphs = GraphCache(backend.stream)
+    for method in {m for m, _ in backend.steps}:
+        backend.reset([0], SamplingParams(temperature=1.0, top_k=2))
+        schedule.run_all(backend.steps[method, True], backend.stream)
+    backend.stream.synchronize()
+    for key, launches in backend.steps.items():
+        backend.graphs.capture(key, launches)
     return sum(p.bytes for p in prefetches) / len(prefetches) if prefetches else 0
 
 

@@ -111,20 +111,14 @@ class CudaBackend(EngineProbes):
         self.max_pages = device_buffers.max_pages(max_context)
         self.kernels = Kernels.build(cfg, self.max_pages, bool(self.prefill_buckets))
         self.ops = DecodeOps(cfg, self.weights, self.kernels, self.buffers)
-        self.prefill_graphs = GraphCache(self.stream)
-        self.build_steps()
-
-    def build_steps(self) -> None:
-        """The decode steps' launch lists from the schedule, each kernel compiled, and (unless
-        eager) their graphs captured; a dev variant that edits the schedule calls it again."""
         self.steps = {(method, new_page): forward_launches(self.ops, method, new_page)
                       for method in METHODS for new_page in (False, True)}
-        self.graphs = GraphCache(self.stream)
+        self.graphs, self.prefill_graphs = GraphCache(self.stream), GraphCache(self.stream)
         for method in METHODS:  # compile every kernel: each method's step that starts a page runs them all
             self.reset([0], SamplingParams(temperature=1.0, top_k=2))
             run_all(self.steps[method, True], self.stream)
         self.stream.synchronize()
-        if not self.eager:
+        if not eager:
             for key, launches in self.steps.items():
                 self.graphs.capture(key, launches)
 
