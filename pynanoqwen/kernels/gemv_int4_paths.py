@@ -57,15 +57,14 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint32
 
 from ..config import GROUP_SIZE
 from ..ptx.bits import bits_float, float_bits
-from ..ptx.bulk_copy import BULK_COPY_ALIGNMENT, bulk_copy_to_shared
 from ..ptx.dp4a import dp4a, dp4a_us, dp4a_uu
 from ..ptx.prmt import prmt
 from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
-from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait
+from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
 from ..ptx.warp import shfl_xor, warp_sum
 from .int4_unpack import unpack8
@@ -107,42 +106,6 @@ GemvPath = collections.namedtuple("GemvPath", "shared_words x_words stage load_x
 U = np.uint32  # to spell unsigned constants in kernels
 
 
-STATIC_SHARED_BYTES = 48 * 1024  # what a kernel's static shared arrays may take in all
-
-
-def copies_x(k: int) -> bool:
-    """Whether the fixed16 path stages a float16 x of length k from a copy-engine copy: the copy
-    and the staged records must fit the static shared memory beside the split partials."""
-    return 2 * k + 4 * CHUNK_STRIDE * (k // 32) + 1024 <= STATIC_SHARED_BYTES
-
-
-@cuda.jit(device=True, inline="always")
-def copy_in(fetched, dst, src, nbytes):
-    """Every thread of the block returns once the copy engine has copied src's first nbytes into
-    the shared array dst: thread 0 sets up the mbarrier fetched[0] and issues one cp.async.bulk,
-    the others wait on the barrier's first phase (module docstring, "Staging")."""
-    if cuda.threadIdx.x == 0:
-        mbarrier_init(fetched, 0, 1)
-        fence_barrier_init()
-        mbarrier_arrive_expect_tx(fetched, 0, nbytes)
-        bulk_copy_to_shared(dst, src, nbytes, fetched, 0)
-    cuda.syncthreads()  # the barrier's init, before anyone waits on it
-    mbarrier_wait(fetched, 0, 0)
-
-
-@cuda.jit(device=True, inline="always")
-def copy_in_two(fetched, dst, src, nbytes, dst2, src2, nbytes2):
-    """copy_in of two arrays on one barrier."""
-    if cuda.threadIdx.x == 0:
-        mbarrier_init(fetched, 0, 1)
-        fence_barrier_init()
-        mbarrier_arrive_expect_tx(fetched, 0, nbytes + nbytes2)
-        bulk_copy_to_shared(dst, src, nbytes, fetched, 0)
-        bulk_copy_to_shared(dst2, src2, nbytes2, fetched, 0)
-    cuda.syncthreads()
-    mbarrier_wait(fetched, 0, 0)
-
-
 @functools.cache
 def _chunk_loader(vectors: int):
     """load_x(xs, c, xv) for the 80-byte chunk records of the prmt and fixed16 paths: the first
@@ -169,14 +132,10 @@ def _normed_activations(k: int, threads: int, norm_eps: float | None):
     quad_words_per_thread = 4 * quads_per_thread
     inv_k = np.float32(1.0 / k)
     eps = np.float32(0.0 if norm_eps is None else norm_eps)
-    h_bytes, weight_words = 4 * k, k // 2
 
     @cuda.jit(device=True, inline="always")
     def normed(activations, t, values):
-        h = cuda.shared.array(k, float32, alignment=BULK_COPY_ALIGNMENT)
-        weight_pairs = cuda.shared.array(weight_words, uint32, alignment=BULK_COPY_ALIGNMENT)
-        fetched = cuda.shared.array(1, uint64)
-        copy_in_two(fetched, h, activations[0], h_bytes, weight_pairs, activations[1], 2 * k)
+        h, weight_pairs = activations
         warp_totals = cuda.shared.array(32, float32)
         weights = cuda.local.array(quad_words_per_thread, uint32)
         for j in range(quads_per_thread):
@@ -187,7 +146,7 @@ def _normed_activations(k: int, threads: int, norm_eps: float | None):
                 for e in range(8):
                     values[8 * j + e] = h[U(8) * q + U(e)]
                 weights[4 * j], weights[4 * j + 1], weights[4 * j + 2], weights[4 * j + 3] = \
-                    ld_shared_v4_u32(weight_pairs, U(4) * q)
+                    ld_global_nc_v4_u32(weight_pairs, U(4) * q)
         total = float32(0)
         for j in range(quads_per_thread):
             for e in range(8):
@@ -312,7 +271,6 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
     quads = U(k // 8)
     quads_per_thread = -(-(k // 8) // threads)
     values_per_thread = 8 * quads_per_thread
-    x_words = k // 2
     normed = _normed_activations(k, threads, norm_eps)
 
     @cuda.jit(device=True, inline="always")
@@ -344,7 +302,8 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
         cuda.syncthreads()
 
     @cuda.jit(device=True, inline="always")
-    def stage_pairs(x_pairs, xs):
+    def stage_x(activations, xs):
+        x_pairs = activations[0]
         t = U(cuda.threadIdx.x)
         values = cuda.local.array(values_per_thread, float32)
         for j in range(quads_per_thread):
@@ -354,17 +313,6 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
                 if q < quads:
                     values[8 * j + 2 * e], values[8 * j + 2 * e + 1] = half2_to_float2(x_pairs[U(4) * q + U(e)])
         quantize_and_store(values, t, xs)
-
-    @cuda.jit(device=True, inline="always")
-    def stage_copied(activations, xs):
-        x_pairs = cuda.shared.array(x_words, uint32, alignment=BULK_COPY_ALIGNMENT)
-        fetched = cuda.shared.array(1, uint64)
-        copy_in(fetched, x_pairs, activations[0], 2 * k)
-        stage_pairs(x_pairs, xs)
-
-    @cuda.jit(device=True, inline="always")
-    def stage_loaded(activations, xs):
-        stage_pairs(activations[0], xs)
 
     @cuda.jit(device=True, inline="always")
     def stage_normed(activations, xs):
@@ -390,7 +338,6 @@ def _fixed16_path(k: int, rows: int, threads: int, norm_eps: float | None = None
             dot = int32(high * int32(256) + low)  # sum (u - 8) v over the chunk, exactly
             acc[a0 + r] += float32(dot) * (float32(scl[s0 + r]) * x_scale)
 
-    stage_x = stage_copied if copies_x(k) else stage_loaded
     return GemvPath(CHUNK_STRIDE * (k // 32), 20, stage_x if norm_eps is None else stage_normed, _chunk_loader(5),
                     multiply)
 
