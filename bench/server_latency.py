@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from pynanoqwen.bench import git_commit
+from pynanoqwen.bench import git_commit, gpu_info
 from pynanoqwen.generate import resolve_device, resolve_model
 from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.sampling import SamplingParams
@@ -240,7 +240,8 @@ def main(argv=None) -> dict:
         server.wait(timeout=120)
     ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
     result = {
-        "model": str(model_path), "device": device, "git_commit": git_commit(), "prompt_tokens": args.prompt_tokens,
+        "model": str(model_path), "device": device, "gpu": gpu_info().get("name") if device == "cuda" else None,
+        "git_commit": git_commit(), "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "repeats": args.repeats,
         **{side: {"ttft_ms": ms(ttfts), "itl_ms": ms(itls)} for side, (ttfts, itls) in times.items()},
         "server_ttft_phases_ms": phases, "infill_prefix_cache": infill, "cancellation": cancel,

@@ -84,6 +84,7 @@ def main() -> None:
 
     from gemv_plans import SHAPES, build
     from pynanoqwen.gpu_timing import time_graph, weight_copies
+    from pynanoqwen.kernels import kernel_path
     from pynanoqwen.kernels.gemv_int4 import default_plan, gemv_bytes
     from pynanoqwen.launch import launch
 
@@ -102,7 +103,7 @@ def main() -> None:
             continue
         plan = default_plan(n, k, matrices)
         copies = weight_copies(matrices * gemv_bytes(n, k))
-        gemvs = [build(name, n, k, epilogue, plan, rng) for _ in range(copies)]
+        gemvs = [build(name, n, k, epilogue, plan, rng, kernel_path("auto", k)) for _ in range(copies)]
         grid, calls = gemvs[0]._input.grid, max(copies, 32)
         kernel = module.gemv_kernel(gemvs[0].path, n, k, matrices, plan, grid, form, gemvs[0]._input.kernel_norm_eps)
         x = cuda.to_device(rng.standard_normal(k).astype(np.float32 if epilogue.startswith("norm") else np.float16))
