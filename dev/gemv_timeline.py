@@ -2,7 +2,7 @@
 of kernels/gemv_int4_kernel.py instrumented at run time, 32 back-to-back programmatic launches
 over rotated weight copies in one CUDA graph (as dev/gemv_plans.py times them).
 
-    python dev/gemv_timeline.py [--shapes o_proj,gate_up,down,lm_head] [--json out.json]
+    python dev/gemv_timeline.py [--shapes o_proj,gate_up,down,lm_head] [--hot] [--json out.json]
 
 What it is for: each GEMV of the decode step takes 3-6 us more than its bytes at the copy rate
 (docs/PERFORMANCE.md, "Decode, 2026-12-02: the GEMV epilogues ..."), and which part of a launch
@@ -78,6 +78,8 @@ def summarize(stamps: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="o_proj,gate_up,down,lm_head")
+    parser.add_argument("--hot", action="store_true",
+                        help="every launch reads the same weights, from L2 where they fit (no DRAM stream queued ahead of x)")
     parser.add_argument("--json")
     args = parser.parse_args()
     from numba import cuda
@@ -102,7 +104,7 @@ def main() -> None:
             print(f"{name}: its {epilogue} epilogue reads bias_values, where the stamps go; not timed")
             continue
         plan = default_plan(n, k, matrices)
-        copies = weight_copies(matrices * gemv_bytes(n, k))
+        copies = 1 if args.hot else weight_copies(matrices * gemv_bytes(n, k))
         gemvs = [build(name, n, k, epilogue, plan, rng, kernel_path("auto", k)) for _ in range(copies)]
         grid, calls = gemvs[0]._input.grid, max(copies, 32)
         kernel = module.gemv_kernel(gemvs[0].path, n, k, matrices, plan, grid, form, gemvs[0]._input.kernel_norm_eps)
