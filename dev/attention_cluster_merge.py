@@ -13,6 +13,12 @@ to 8 splits: 512 tokens at the product's 4 pages a split) the leader writes attn
 through global memory; otherwise the clusters' leaders merge their partials as the product's blocks
 do, over at most num_splits / CLUSTER partials instead of num_splits.
 
+Measured, it loses (docs/PERFORMANCE.md, 2026-12-05 night, H100, us a launch): 7.0 against the
+product's 7.1 at 16 tokens, 10.7 against 8.0 at 512, 66.2 against 34.4 at 32000 in clusters of 8;
+clusters of 2 and 4 lose more at 512 (14.5, 15.8). At 8 (175 KiB of shared memory a block) the
+driver fits 15 of the launch's 16 clusters at once (`max_active_clusters`), at 4 30 of 32, so a
+cluster waits for a second wave; clusters of 2 fit (66 of 64) and lose all the same.
+
 The variant is the product's source with the edits below applied at import (each anchor must occur
 once, so a change of the product's kernel stops this script instead of measuring something else).
 The simulator runs one block at a time, so tests/sim/test_attention_sim.py checks it there with
@@ -157,16 +163,16 @@ CLUSTER_MERGE = '''        if cluster_active:
 '''
 EDITS = [
     # the split's partial goes into the cluster leader's shared memory (slot: this block's rank)
-    (E8 + "if num_pages > 0:\n" + E12 + "for o in range(tid, GROUP * head_dim, THREADS):\n",
+    (E8 + "if num_pages > 0:\n" + E12 + "if tid < GROUP:\n",
      E8 + "rank = split % CLUSTER\n" + E8 + "if cluster_active:\n"
      + E12 + "cluster_wait()  # (its arrive came before griddepcontrol.wait) every block of the cluster runs\n"
-     + E8 + "if num_pages > 0 and cluster_active:\n" + E12 + "for o in range(tid, GROUP * head_dim, THREADS):\n"),
-    (E16 + "slot = (kv_head * GROUP + row) * num_splits + split\n"
-     + E16 + "part_acc[slot * head_dim + dim] = value\n" + E16 + "if dim == 0:\n"
-     + E16 + "    part_max[slot] = merged_max\n" + E16 + "    part_sum[slot] = total\n",
-     E16 + "store_to_leader(floats, C_ACC + (rank * GROUP + row) * head_dim + dim, value)\n" + E16 + "if dim == 0:\n"
-     + E16 + "    store_to_leader(floats, C_MAX + rank * GROUP + row, merged_max)\n"
-     + E16 + "    store_to_leader(floats, C_SUM + rank * GROUP + row, total)\n"),
+     + E8 + "if num_pages > 0 and cluster_active:\n" + E12 + "if tid < GROUP:\n"),
+    (E16 + "slot = (kv_head * GROUP + tid) * num_splits + split\n"
+     + E16 + "part_max[slot] = merged_max\n" + E16 + "part_sum[slot] = total\n",
+     E16 + "store_to_leader(floats, C_MAX + rank * GROUP + tid, merged_max)\n"
+     + E16 + "store_to_leader(floats, C_SUM + rank * GROUP + tid, total)\n"),
+    (E16 + "part_acc[((kv_head * GROUP + row) * num_splits + split) * head_dim + dim] = value\n",
+     E16 + "store_to_leader(floats, C_ACC + (rank * GROUP + row) * head_dim + dim, value)\n"),
     # the cluster's own region of shared memory, past the product's layout
     ("    P_ACC, P_MAX, P_SUM = layout[\"partial_acc\"], layout[\"partial_max\"], layout[\"partial_sum\"]\n",
      "    P_ACC, P_MAX, P_SUM = layout[\"partial_acc\"], layout[\"partial_max\"], layout[\"partial_sum\"]\n"

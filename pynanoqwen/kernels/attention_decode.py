@@ -63,13 +63,14 @@ rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive throug
 of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
 Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch 7.1 us at 16
-tokens (7.9 at 512), of which the cross-block merge is still the largest part: from the consumers'
-partials meeting to attn written, 4.1 us, 2.0 of them the stores and fence of the split's partial
-(the two-pass merge before this one took 8.6 us a launch at 16 tokens). The
+tokens (8.0 at 545), of which the cross-block merge is still the largest part: from the consumers'
+partials meeting to attn written, 4.1 us at 545 tokens on an H100, 1.8 of them the split's partial
+stored and fenced, where a block without pages fences in 0.5 (the store's round trip, not the
+kind of fence: fence.acq_rel or thread 0 alone measured the same). The
 dev variants bound both: conflict-free pages (dev/attention_swizzled_ring.py) gain 0.5 us at 512
 tokens and 1.1 us at 4096 but lose 12 us at 32000 (per-thread copies keep fewer pages in flight);
-merging in a cluster (dev/attention_cluster_merge.py) saves 2 us at 16 tokens and costs more from
-512 on.
+merging in a cluster (dev/attention_cluster_merge.py) saves nothing at 16 tokens and costs 2.7 to
+7.8 us more at 512 and 11 to 32 us at 32000, in clusters of 2, 4 or 8 blocks.
 """
 
 from __future__ import annotations
@@ -346,23 +347,32 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         cuda.syncthreads()
 
         # This split's partial per head: the consumers' (max, sum, acc) rescaled to their common max.
-        # A consumer without pages has max -inf: weight 0.
+        # A consumer without pages has max -inf: weight 0. Each head's consumer weights are worked
+        # out once, by one thread a head, into the max slots they came from; then every dim takes
+        # them with independent loads. (Worked out again for every dim, as before, each thread's ~6
+        # dims were ~6 chains of dependent shared loads and exp2s: 0.5 us more from the partials
+        # meeting to their stores fenced, docs/PERFORMANCE.md.) num_pages is the block's own, so
+        # every thread of the block reaches the barrier or none does.
         if num_pages > 0:
-            for o in range(tid, GROUP * head_dim, THREADS):
-                row, dim = o // head_dim, o % head_dim
+            if tid < GROUP:
                 merged_max = NEG_INF
                 for w in range(consumers):
-                    merged_max = max(merged_max, floats[P_MAX + w * GROUP + row])
-                value, total = ZERO, ZERO
+                    merged_max = max(merged_max, floats[P_MAX + w * GROUP + tid])
+                total = ZERO
                 for w in range(consumers):
-                    weight = math.exp2(floats[P_MAX + w * GROUP + row] - merged_max)
-                    value += floats[P_ACC + (w * GROUP + row) * head_dim + dim] * weight
-                    total += floats[P_SUM + w * GROUP + row] * weight
-                slot = (kv_head * GROUP + row) * num_splits + split
-                part_acc[slot * head_dim + dim] = value
-                if dim == 0:
-                    part_max[slot] = merged_max
-                    part_sum[slot] = total
+                    weight = math.exp2(floats[P_MAX + w * GROUP + tid] - merged_max)
+                    floats[P_MAX + w * GROUP + tid] = weight
+                    total += floats[P_SUM + w * GROUP + tid] * weight
+                slot = (kv_head * GROUP + tid) * num_splits + split
+                part_max[slot] = merged_max
+                part_sum[slot] = total
+            cuda.syncthreads()
+            for o in range(tid, GROUP * head_dim, THREADS):
+                row, dim = o // head_dim, o % head_dim
+                value = ZERO
+                for w in range(consumers):
+                    value += floats[P_ACC + (w * GROUP + row) * head_dim + dim] * floats[P_MAX + w * GROUP + row]
+                part_acc[((kv_head * GROUP + row) * num_splits + split) * head_dim + dim] = value
 
         # Publish the partials GPU-wide, then count this block in; the last of the KV head's
         # blocks to arrive sees every other block's partials.
