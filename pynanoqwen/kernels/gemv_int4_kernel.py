@@ -69,7 +69,7 @@ from numba.core import types
 from ..config import GROUP_SIZE
 from ..ptx import SIMULATOR
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
-from ..ptx.loads import ld_global_nc_v4_u32, prefetch_global_l1
+from ..ptx.loads import ld_global_nc_v4_u32
 from ..ptx.mma import SHARED_ALIGNMENT
 from ..ptx.warp import warp_sum
 from . import PAGE_SIZE
@@ -95,7 +95,6 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     (heads = (num_heads, num_kv_heads, head_dim), rows = 2) the tuple of RopeOutputs.
     """
     rows, depth, warps = plan.rows, plan.depth, plan.warps
-    prewait = (depth + 1) // 2  # weight slots requested before the wait (below)
     threads = 32 * warps
     shared_words, x_words, stage, load_x, multiply = gemv_path(path, k, rows, threads, norm_eps)
     chunks = U(k // 32)
@@ -331,33 +330,20 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
         tile1, step1 = advance(tile0, step0, 1)
         tile2, step2 = advance(tile1, step1, 1)
         tile3, step3 = advance(tile2, step2, 1)
-        # The weights do not depend on the kernel before this one: request the first PREWAIT slots
-        # of them, then wait for the activations (ptx/griddep.py); then ask for x's lines (into
-        # L1) before the other slots' weights, so that x's requests queue behind half the weight
-        # requests instead of all of them (x waits ~1 us behind the DRAM stream, docs/PERFORMANCE.md).
+        # The weights do not depend on the kernel before this one: request them first, then wait
+        # for the activations (ptx/griddep.py).
         load(q0, s0, q1, s1, warp_id, lane, tile0, step0, U(0) < items, words0, scl0)
-        if prewait >= 2:
+        if depth >= 2:
             load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(1) < items, words1, scl1)
-        if prewait >= 3:
+        if depth >= 3:
             load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
-        if prewait >= 4:
+        if depth >= 4:
             load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
         first_cursor = tile0
         p, page = U(0), U(0)
         if early:
             p, page = read_early(warp_id, lane, first_cursor, touched, bias_values, out, early_values)
         grid_dependency_wait()
-        x_array = activations[0]  # x, or h with a fused norm: 4-byte elements, 32 a line
-        line = U(U(cuda.threadIdx.x) * U(32))
-        while line < U(x_array.size):
-            prefetch_global_l1(x_array, line)
-            line = U(line + U(32 * threads))
-        if depth >= 2 and prewait < 2:
-            load(q0, s0, q1, s1, warp_id, lane, tile1, step1, U(1) < items, words1, scl1)
-        if depth >= 3 and prewait < 3:
-            load(q0, s0, q1, s1, warp_id, lane, tile2, step2, U(2) < items, words2, scl2)
-        if depth >= 4 and prewait < 4:
-            load(q0, s0, q1, s1, warp_id, lane, tile3, step3, U(3) < items, words3, scl3)
         stage(activations, xs)
         for i in range(slot_scales):
             acc[i] = float32(0)

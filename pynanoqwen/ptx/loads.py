@@ -102,26 +102,3 @@ def ld_global_cg_f32(typingctx, array, index):
     if not _is_vector(array, types.float32, index):
         return None
     return types.float32(array, index), _load("ld.global.cg.f32", "f", ir.FloatType(), 1, True)
-
-
-def prefetch_global_l1_simulated(array, index):
-    return None  # a cache hint: nothing to do without caches
-
-
-@simulator_twin(prefetch_global_l1_simulated)
-@intrinsic
-def prefetch_global_l1(typingctx, array, index):
-    """Ask for the 128-byte line holding array[index] (a 1-D array of 4-byte elements) in this SM's
-    L1: `prefetch.global.L1`, which returns nothing to the thread, so the thread goes on at once and
-    a later load of the line finds it there or already on its way (PTX ISA: prefetch)."""
-    if not isinstance(array, types.Array) or array.ndim != 1 or array.dtype.bitwidth != 32 or \
-            not isinstance(index, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        address = _element_address(context, builder, sig, args)
-        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [address.type]), "prefetch.global.L1 [$0];",
-                                  "l,~{memory}", side_effect=True), [address])
-        return context.get_dummy_value()
-
-    return types.void(array, index), codegen
