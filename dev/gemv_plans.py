@@ -44,7 +44,13 @@ SHAPES = [("qkv", QKV, HIDDEN, "norm+bias"), ("qkv_rope", QKV, HIDDEN, "norm+rop
 PLANS = {
     "small": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 2, 8, 2),
               GemvPlan(2, 4, 8, 1), GemvPlan(4, 4, 8, 1)],
-    "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(2, 4, 8, 1)],
+    # W8 B2 gives QKV's 2304 row-pair tiles 2112 warps, so its grid is 144 blocks whose warps take 2
+    # tiles each, the second tile's loads issued only after the wait. W9 B2, W10 B2 and W6 B3 give
+    # every tile its own warp, so every weight is requested before the wait, as o_proj's 1792 tiles
+    # are. ptxas (sm_90) gives the rope kernel 95 registers at W9 and W10 (5 warps of a scheduler
+    # fit its 16384) and 112 at W6 B3 (5 would not: it may run 2 blocks a SM). Not yet timed.
+    "qkv_rope": [GemvPlan(2, 4, 8, 2), GemvPlan(2, 4, 9, 2), GemvPlan(2, 4, 10, 2), GemvPlan(2, 4, 6, 3),
+                 GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(2, 4, 8, 1)],
     "gate_up": [GemvPlan(1, 4, 8, 2), GemvPlan(1, 4, 16, 1), GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 2, 8, 2, True),
                 GemvPlan(1, 4, 8, 1), GemvPlan(2, 4, 8, 1)],
     "down": [GemvPlan(2, 4, 8, 2, True), GemvPlan(2, 4, 16, 1, True), GemvPlan(4, 4, 8, 2, True),
