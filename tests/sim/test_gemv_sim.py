@@ -340,6 +340,39 @@ def test_qkv_rope_kv_write(path, k, plan):
     assert np.array_equal(k_got[untouched], k_init[untouched]) and np.array_equal(v_got[untouched], v_init[untouched])
 
 
+@pytest.mark.parametrize("path", ["prmt", "fixed16"])
+def test_qkv_rope_whole_tile_plans_give_the_same_bits(path):
+    """A whole-tile plan computes each tile in one warp, in the same order whatever the warp count,
+    so a plan whose warps take several tiles each and one whose warps take one each must write the
+    same q, K and V bits (dev/gemv_plans.py sweeps QKV at more warps for that reason)."""
+    from pynanoqwen.device import sm_count
+    from pynanoqwen.kernels.page_alloc import PAGE_SIZE as PAGE
+    from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
+
+    rng = np.random.default_rng()
+    heads, kv_heads, hd, pages, k = 2, 1, 16, 3, 256  # 32 row-pair tiles
+    n = (heads + 2 * kv_heads) * hd
+    qweight, scales, _ = random_linear(rng, n, k)
+    bias = rng.standard_normal(n).astype(np.float16)
+    x = cuda.to_device(exact_activations(rng, k))
+    position = int(rng.integers(0, pages * PAGE))
+    page_table = cuda.to_device(rng.permutation(pages).astype(np.int32))
+    cos, sin = (cuda.to_device(t) for t in rope_cos_sin(hd, 10000.0, pages * PAGE))
+    plans = [GemvPlan(rows=2, depth=4, warps=1, blocks_per_sm=1), GemvPlan(rows=2, depth=4, warps=4, blocks_per_sm=4)]
+    tiles_a_warp = [-(-(n // 2) // (plan.grid(n, sm_count()) * plan.warps)) for plan in plans]
+    assert tiles_a_warp[0] > 1 and tiles_a_warp[1] == 1, tiles_a_warp
+    outputs = []
+    for plan in plans:
+        q = cuda.to_device(np.full((heads, hd), np.nan, np.float32))
+        k_pages, v_pages = (cuda.to_device(np.zeros((pages, kv_heads, PAGE, hd), np.float16)) for _ in range(2))
+        gemv = make_gemv_int4(n, k, qweight, scales, path=path, bias=bias, rope_heads=(heads, kv_heads, hd), plan=plan)
+        gemv.launch_rope(0, x, q, k_pages, v_pages, page_table, cuda.to_device(np.array([position], np.int32)), cos, sin)
+        assert np.isfinite(q.copy_to_host()).all()  # every q written (it started as NaN)
+        outputs.append([a.copy_to_host().view(np.uint16 if a.dtype == np.float16 else np.uint32)
+                        for a in (q, k_pages, v_pages)])
+    assert all(np.array_equal(a, b) for a, b in zip(*outputs))
+
+
 def test_fused_mlp_variant_matches_float64():
     """dev/mlp_fused.py (gate/up, SiLU, down_proj and the residual in one kernel, blocks owning
     slices of the intermediate rows) at hidden 128, intermediate 256 on 3 blocks of 2 warps, so
