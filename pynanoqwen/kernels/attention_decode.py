@@ -349,7 +349,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
         # This split's partial per head: the consumers' (max, sum, acc) rescaled to their common max.
         # A consumer without pages has max -inf: weight 0. Each head's consumer weights are worked
         # out once, by one thread a head, into the max slots they came from; then every dim takes
-        # them with independent loads. (Worked out again for every dim, as before, each thread's ~6
+        # them with independent loads. (Worked out again for every dim instead, each thread's ~6
         # dims were ~6 chains of dependent shared loads and exp2s: 0.5 us more from the partials
         # meeting to their stores fenced, docs/PERFORMANCE.md.) num_pages is the block's own, so
         # every thread of the block reaches the barrier or none does.
