@@ -10,8 +10,9 @@
    return_tokens, which sends an event for every generated id whether its text is complete or
    not, timed at the client from sending the request to each event), in turns. Events per id
    matter for a random-weight model, most of whose ids have no text in its small tokenizer.
-   TTFT and ITL are medians; the overhead is server minus direct. Every repeat's prompt starts
-   with another line, so no run reuses another's KV pages, and both paths prefill every token.
+   TTFT and ITL are medians; the overhead is server minus direct. Every repeat's prompt is other
+   text on every line, so no run reuses another's KV pages or the tokenizer's cached chunks: both
+   paths prefill every token, and the server tokenizes every one.
    The server's TTFT is split where the server stamps it (/metrics' histograms, read between
    requests): from the route's entry to the engine starting the job, and to the engine's first
    token; and from the job's start to that token (the last event's timings.prompt_ms). The direct
@@ -54,9 +55,10 @@ GREEDY = SamplingParams()
 
 
 def prompt_of(tokenizer, tokens: int, run: int) -> str:
-    """About `tokens` tokens of Python source whose first line names the run (no two runs share a page)."""
-    source = "".join(f"def step_{i}(state, value):\n    state.total += value * {i}\n    return state\n\n"
-                     for i in range(tokens))
+    """About `tokens` tokens of Python source that names the run on every line: no two runs share a
+    KV page or a chunk of the server tokenizer's cache (tokenizer.encode_cached)."""
+    source = "".join(f"def step_{run}_{i}(state_{run}, value):\n    state_{run}.total += value * {i}\n"
+                     f"    return state_{run}\n\n" for i in range(tokens))
     return f"# run {run}\n" + tokenizer.decode(tokenizer.encode(source)[:tokens - 8])
 
 

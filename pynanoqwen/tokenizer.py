@@ -55,6 +55,38 @@ CHATML_TEMPLATE = (
 )
 
 
+# Qwen2's pre-tokenizer (tokenizer.json of every Qwen2.5 model, and of the embedded one): NFC, then
+# this pattern cuts the text into pieces, each encoded on its own after the byte-level mapping.
+QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Line starts where that pattern cuts whatever the text around (a match's end): after a line feed,
+# before spaces or tabs (group 1: the indentation) and a printable ASCII character. The piece
+# holding the line feed ends there: it is one of newlines (\s*[\r\n]+, which ends at the last line
+# feed of a run, and the run has no other before the next printable character) or of punctuation
+# and newlines; no letter or digit piece holds a line feed. A piece starting there depends only on
+# the text after it (the pattern looks ahead, never back), and NFC joins nothing across it (an
+# ASCII character composes with nothing before it). GPT-2's pattern (\s+(?!\S) first) would glue
+# the line feed to the indentation: no cuts there.
+LINE_CUT = re.compile(r"\n(?=([ \t]*)[!-~])")
+
+
+def cuts_like_qwen2(hf_tokenizer: tokenizers.Tokenizer) -> bool:
+    """Whether the tokenizer normalises and pre-tokenizes as Qwen2's does, so LINE_CUT's cuts
+    leave its ids unchanged (trim_offsets only moves offsets)."""
+    def config(component) -> dict | None:
+        return None if component is None else json.loads(component.__getstate__())
+
+    pre_tokenizer = config(hf_tokenizer.pre_tokenizer) or {}
+    if pre_tokenizer.get("type") != "Sequence" or len(pre_tokenizer.get("pretokenizers", ())) != 2:
+        return False
+    split, byte_level = pre_tokenizer["pretokenizers"]
+    return (config(hf_tokenizer.normalizer) in (None, {"type": "NFC"})
+            and split == {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT_PATTERN}, "behavior": "Isolated",
+                          "invert": False}
+            and byte_level.get("type") == "ByteLevel"
+            and byte_level.get("add_prefix_space") is False and byte_level.get("use_regex") is False)
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -103,8 +135,10 @@ class Tokenizer:
         plain = sorted((t.content for t in hf_tokenizer.get_added_tokens_decoder().values()
                         if not (t.normalized or t.lstrip or t.rstrip or t.single_word)), key=len, reverse=True)
         self._added_split = re.compile("(" + "|".join(map(re.escape, plain)) + ")") if plain else None
-        self._segments: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
-        self._segments_lock = threading.Lock()
+        self.line_cuts = cuts_like_qwen2(hf_tokenizer)
+        self._chunk_ids: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._cached_chars = 0
+        self._chunks_lock = threading.Lock()
 
     @classmethod
     def from_json_bytes(cls, tokenizer_json: bytes, chat_template: str | None, *, vocab_size: int,
@@ -140,42 +174,76 @@ class Tokenizer:
         (docs/PERFORMANCE.md, "Serve, 2026-12-04 late")."""
         return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
-    SEGMENT_CACHE_ENTRIES = 256  # texts between added tokens kept; a file chunk of repository context each
-    SEGMENT_CACHE_MIN_CHARS = 256  # shorter ones cost less to encode than to look up and keep
+    # Each chunk is one call into the library (~10 us): 512 characters, ~150 tokens, keep that small.
+    CHUNK_MIN_CHARS = 512
+    CHUNK_MAX_CHARS = 2048  # past this, a chunk ends at any line start LINE_CUT finds
+    CACHE_MIN_CHARS = 256  # shorter runs cost less to encode than to look up and keep
+    CACHE_CHARS = 2**21  # characters of chunks kept (~600k tokens, ~25 MB with their ids), least recent out
+    PARALLEL_CHARS = 8192  # new text from which the library's threads pay (2-core VM; docs/PERFORMANCE.md)
 
     def encode_cached(self, text: str) -> list[int]:
-        """encode(text), remembering the ids of each long run of text between added tokens.
+        """encode(text), from the ids of the chunks of it seen before; the rest is encoded now.
 
         `tokenizers` cuts the text at added tokens (`<|file_sep|>`, `<|fim_prefix|>`, ...) before
-        anything else and encodes each run between them on its own, so the ids of a run do not
-        depend on what surrounds it: the same result as encode, token for token (tests check it on
-        both tokenizers and on text that writes the tokens itself). It pays where the same runs come
-        back request after request: an editor's /infill sends the same files of repository context
-        with every keystroke (a 4000-token context took 5.6 ms to encode on the 2-core VM)."""
-        if self._added_split is None:
-            return self.encode(text)
-        ids: list[int] = []
-        for index, part in enumerate(self._added_split.split(text)):
+        anything else and encodes each run between them on its own. With Qwen2's pre-tokenizer
+        (`line_cuts`) a run is cut further into chunks at line starts that LINE_CUT finds, where the
+        pre-tokenizer cuts too. So the ids of a chunk do not depend on what surrounds it, and the
+        result is encode's, token for token (tests check it on three tokenizers, on text that writes
+        the added tokens itself, and at every line start).
+
+        An editor sends the same text again and again: the same files of repository context with
+        every keystroke, and the file around the cursor, which changes in one place. Only the
+        chunks not seen before are encoded, inside `serve`'s time to first token. A chunk ends at
+        the first line start in column 0 (a top-level statement) past CHUNK_MIN_CHARS, so an edit,
+        or a window of lines that moved by one, changes the chunks around it and leaves the cuts
+        after it where they were. New text of PARALLEL_CHARS or more goes to the library in one
+        `encode_batch_fast` call, which encodes its chunks on all cores."""
+        items: list[int | tuple[int, ...] | str] = []  # an added token's id, a known chunk's ids, a new chunk
+        for index, part in enumerate(self._added_split.split(text) if self._added_split else (text,)):
             if not part:
                 continue
             if index % 2:  # an added token
-                ids.append(self._tok.token_to_id(part))
+                items.append(self._tok.token_to_id(part))
                 continue
-            if len(part) < self.SEGMENT_CACHE_MIN_CHARS:
-                ids += self.encode(part)
-                continue
-            with self._segments_lock:
-                known = self._segments.get(part)
-                if known is not None:
-                    self._segments.move_to_end(part)
-            if known is None:
-                known = tuple(self.encode(part))
-                with self._segments_lock:
-                    self._segments[part] = known
-                    while len(self._segments) > self.SEGMENT_CACHE_ENTRIES:
-                        self._segments.popitem(last=False)
-            ids += known
+            for chunk in self._chunks(part):
+                with self._chunks_lock:
+                    known = self._chunk_ids.get(chunk)
+                    if known is not None:
+                        self._chunk_ids.move_to_end(chunk)
+                items.append(chunk if known is None else known)
+        new = [item for item in items if isinstance(item, str)]
+        if sum(map(len, new)) >= self.PARALLEL_CHARS:
+            encoded = dict(zip(new, (e.ids for e in self._tok.encode_batch_fast(new, add_special_tokens=False))))
+        else:
+            encoded = {chunk: self.encode(chunk) for chunk in new}
+        with self._chunks_lock:
+            for chunk, chunk_ids in encoded.items():
+                if self.CACHE_MIN_CHARS <= len(chunk) <= self.CACHE_CHARS and chunk not in self._chunk_ids:
+                    self._chunk_ids[chunk] = tuple(chunk_ids)
+                    self._cached_chars += len(chunk)
+            while self._cached_chars > self.CACHE_CHARS:
+                self._cached_chars -= len(self._chunk_ids.popitem(last=False)[0])
+        ids: list[int] = []
+        for item in items:
+            if isinstance(item, int):
+                ids.append(item)
+            else:
+                ids += encoded[item] if isinstance(item, str) else item
         return ids
+
+    def _chunks(self, run: str) -> list[str]:
+        """`run` (text between added tokens) in chunks for encode_cached; the whole run where the
+        pre-tokenizer is not Qwen2's."""
+        if not self.line_cuts or len(run) < 2 * self.CHUNK_MIN_CHARS:
+            return [run]
+        chunks, start = [], 0
+        for line in LINE_CUT.finditer(run, self.CHUNK_MIN_CHARS):
+            size = line.end() - start
+            if size >= self.CHUNK_MAX_CHARS or (size >= self.CHUNK_MIN_CHARS and not line.group(1)):
+                chunks.append(run[start:line.end()])
+                start = line.end()
+        chunks.append(run[start:])
+        return chunks
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included; incomplete UTF-8 at the end becomes U+FFFD."""

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
 from pynanoqwen.checkpoint import QWEN25_CHAT_TEMPLATE
 from pynanoqwen.errors import FormatError, NanoQwenError
-from pynanoqwen.tokenizer import QWEN_DEFAULT_SYSTEM, StreamDecoder, Tokenizer
+from pynanoqwen.tokenizer import LINE_CUT, QWEN2_SPLIT_PATTERN, QWEN_DEFAULT_SYSTEM, StreamDecoder, Tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
            "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
@@ -287,24 +287,82 @@ def embedded_tokenizer() -> Tokenizer:
         return Tokenizer.from_json_bytes(bytes(f.tokenizer_json), f.chat_template, vocab_size=f.config.vocab_size)
 
 
+def qwen2_pattern_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained on the test's strings with Qwen2's NFC and split pattern, and the
+    trim_offsets of Qwen2.5's own tokenizer.json (the embedded one has true there)."""
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    return Tokenizer.from_json_bytes(tok.to_str().encode(), None, vocab_size=tok.get_vocab_size())
+
+
 EMBEDDED_TOKENIZER = embedded_tokenizer()
+QWEN2_PATTERN_TOKENIZER = qwen2_pattern_tokenizer()
 # Runs of text around which a boundary could matter: code, a combining accent that NFC joins to the
-# letter before it (e\u0301 -> é), spaces and newlines that the split pattern groups, CJK and emoji.
-PIECES = ["def f(x):\n    return x + 1\n", "e\u0301", "\u0301", "  ", "\n\n", " x", "世界", "🙂", "'s", "<|", "|>",
-          "file_sep", "0123"]
+# letter before it (e\u0301 -> é), spaces, tabs and newlines that the split pattern groups (\r\n,
+# and whitespace that is not a space: form feed, no-break space, line separator), punctuation that
+# takes the newlines after it, CJK and emoji.
+PIECES = ["def f(x):\n    return x + 1\n", "e\u0301", "\u0301", "  ", "\t", "\n", "\n\n", "\r\n", "\x0c", "\u00a0",
+          "\u2028", " x", "x", "):", "#", "世界", "🙂", "'s", "<|", "|>", "file_sep", "0123"]
 LONG = "".join(f"def helper_{i}(x):\n    return x * {i}\n\n" for i in range(12))  # over the cache's minimum
 
 
+def test_line_cuts_only_where_the_pretokenizer_is_qwen2s(tokenizer):
+    """Chunks at line starts keep the ids of Qwen2's pattern and not of GPT-2's, which glues a line
+    feed to the indentation after it; so only the first two cut."""
+    assert EMBEDDED_TOKENIZER.line_cuts and QWEN2_PATTERN_TOKENIZER.line_cuts and not tokenizer.line_cuts
+    text = "x\n    y"
+    assert tokenizer.encode(text) != tokenizer.encode("x\n") + tokenizer.encode("    y")
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG, LONG + "e", "\u0301" + LONG]), max_size=14))
-def test_encode_cached_is_encode_token_for_token(tokenizer, parts):
-    """Whatever the runs between added tokens, and however often a run comes back (cached or not),
-    encode_cached gives encode's ids, on the test's byte-level BPE and on the embedded model's."""
+@given(st.lists(st.sampled_from(PIECES), max_size=40))
+def test_every_line_cut_keeps_the_ids(parts):
+    """The property encode_cached rests on: text cut at every LINE_CUT match, each piece encoded
+    on its own, gives the ids of the whole text, on the two tokenizers with Qwen2's pattern."""
     text = "".join(parts)
-    for tok in (tokenizer, EMBEDDED_TOKENIZER):
-        expected = tok.encode(text)
-        assert tok.encode_cached(text) == expected
-        assert tok.encode_cached(text) == expected  # now from the cache
+    cuts = [0] + [line.end() for line in LINE_CUT.finditer(text)] + [len(text)]
+    for tok in (EMBEDDED_TOKENIZER, QWEN2_PATTERN_TOKENIZER):
+        assert sum((tok.encode(text[a:b]) for a, b in zip(cuts, cuts[1:])), []) == tok.encode(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG, LONG + "e", "\u0301" + LONG]), max_size=14),
+       st.sampled_from([(1, 1), (1, 64), (512, 2048)]), st.booleans())
+def test_encode_cached_is_encode_token_for_token(tokenizer, parts, chunk_chars, parallel):
+    """Whatever the runs between added tokens, however they are cut into chunks (at every line
+    start, at column 0 only, as shipped), encoded one by one or in one call, and however often a
+    chunk comes back (cached or not), encode_cached gives encode's ids, on three tokenizers."""
+    text = "".join(parts)
+    for tok in (tokenizer, EMBEDDED_TOKENIZER, QWEN2_PATTERN_TOKENIZER):
+        tok.CHUNK_MIN_CHARS, tok.CHUNK_MAX_CHARS = chunk_chars
+        tok.PARALLEL_CHARS = 0 if parallel else Tokenizer.PARALLEL_CHARS
+        try:
+            expected = tok.encode(text)
+            assert tok.encode_cached(text) == expected
+            assert tok.encode_cached(text) == expected  # now from the cache
+        finally:
+            del tok.CHUNK_MIN_CHARS, tok.CHUNK_MAX_CHARS, tok.PARALLEL_CHARS
+
+
+def test_an_edited_line_encodes_only_its_chunk(monkeypatch):
+    """An editor's file again with one line changed in the middle: encode_cached encodes the chunk
+    that holds the change and takes every other chunk from the cache."""
+    tok = embedded_tokenizer()
+    functions = [f"def helper_{i}(x, y):\n    total = x * {i} + y\n    return total\n\n\n" for i in range(200)]
+    tok.encode_cached("<|fim_prefix|>" + "".join(functions))
+    functions[100] = functions[100].replace("total = x", "total = 2 * x")
+    edited = "<|fim_prefix|>" + "".join(functions)
+    encoded = []
+    monkeypatch.setattr(tok, "encode", lambda text: encoded.append(text) or Tokenizer.encode(tok, text))
+    assert tok.encode_cached(edited) == Tokenizer.encode(tok, edited)
+    assert len(encoded) == 1 and functions[100] in encoded[0] and len(encoded[0]) < 2 * Tokenizer.CHUNK_MIN_CHARS
 
 
 @settings(max_examples=200, deadline=None)
@@ -316,8 +374,14 @@ def test_encode_is_the_librarys_encode_without_offsets(tokenizer, parts):
         assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
 
 
-def test_encode_cached_keeps_a_bounded_number_of_runs():
+def test_encode_cached_keeps_a_bounded_number_of_characters():
+    """The cache holds at most CACHE_CHARS characters of chunks, the most recent ones, and no chunk
+    longer than that (a body may be 16 MiB of one line)."""
     tok = embedded_tokenizer()
-    for i in range(Tokenizer.SEGMENT_CACHE_ENTRIES + 10):
-        tok.encode_cached(f"<|file_sep|>f{i}.py\n{LONG}{i}")
-    assert len(tok._segments) == Tokenizer.SEGMENT_CACHE_ENTRIES
+    tok.CACHE_CHARS = 50 * len(LONG)
+    files = [f"<|file_sep|>f{i}.py\n{LONG}{i}" for i in range(60)]
+    for text in files + ["x" * (tok.CACHE_CHARS + 1)]:
+        assert tok.encode_cached(text) == tok.encode(text)
+    kept = sum(map(len, tok._chunk_ids))
+    assert kept == tok._cached_chars and tok.CACHE_CHARS - len(LONG) - 3 < kept <= tok.CACHE_CHARS
+    assert files[-1].split("<|file_sep|>")[1] in tok._chunk_ids and files[0].split("<|file_sep|>")[1] not in tok._chunk_ids

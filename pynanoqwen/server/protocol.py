@@ -176,7 +176,7 @@ def completion_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply
         prompt_ids = prompt
     else:
         text = prompt if isinstance(prompt, str) else prompt[0]
-        prompt_ids = tokenizer.encode(build_prompt(tokenizer, text, chat=False, system=None, fim_suffix=suffix))
+        prompt_ids = tokenizer.encode_cached(build_prompt(tokenizer, text, chat=False, system=None, fim_suffix=suffix))
     request = GenerationRequest(prompt_ids, openai_sampling(body), budget(prompt_ids, body["max_tokens"], model,
                                                                           "prompt"),
                                 tokenizer.stop_ids, text_list(body["stop"]))
@@ -197,7 +197,7 @@ def chat_request(body, model: ModelInfo) -> tuple[GenerationRequest, Reply]:
     except NanoQwenError as err:  # the template refused these messages (raise_exception) or failed on them
         raise ApiError(400, f"The {str(err).removeprefix('the ')}.", param="messages", code="chat_template_failed") \
             from None
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = tokenizer.encode_cached(text)
     max_param = "max_completion_tokens" if body["max_completion_tokens"] is not None else "max_tokens"
     request = GenerationRequest(prompt_ids, openai_sampling(body),
                                 budget(prompt_ids, body[max_param], model, "messages", max_param),
