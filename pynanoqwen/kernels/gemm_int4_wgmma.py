@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 from numba import cuda, float32, uint32
@@ -94,6 +93,7 @@ from ..ptx.loads import ld_global_cg_f32
 from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ld_shared_v4_u32
 from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
     wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
+from .call_free import silu
 from .int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, SELECT_BYTES_0_1, \
     SELECT_BYTES_2_3, unpack_pair
 
@@ -433,7 +433,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
                         second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
                         at = token * U(n) + n0
                         if GATE_UP:  # first is the gate, second the up projection of column col_a
-                            out[at + col_a] = first / (float32(1) + math.exp(-first)) * second
+                            out[at + col_a] = silu(first) * second
                         else:
                             if BIAS:
                                 first += float32(bias_values[n0 + col_a])
