@@ -72,6 +72,12 @@ K_STEP_WORDS = 8  # 16 FP16 of k: how far `index` moves per wgmma k step
 WARPGROUP = 128
 SHAPES_N = (64, 128)  # the wgmma widths the GEMM issues (PTX allows any multiple of 8 up to 256, but
 # LLVM keeps a local array of more than 64 accumulators in memory, so 256 tokens are two n128 wgmmas)
+MAX_N = 128  # the widest n wgmma_f16 takes, for that reason; any multiple of 8 up to it
+
+
+def check_width(n: int) -> None:
+    if n % 8 or not 8 <= n <= MAX_N:
+        raise ValueError(f"wgmma_f16: n = {n} is not a multiple of 8 from 8 to {MAX_N}")
 
 
 # --- Simulator twins --------------------------------------------------------------------------
@@ -117,8 +123,7 @@ def wgmma_warpgroup(lanes: list, n: int) -> list:
 
 def wgmma_f16_simulated(acc, n, a0, a1, a2, a3, tile, index):
     n = int(n)
-    if n not in SHAPES_N:
-        raise RuntimeError(f"wgmma: n = {n} is not one of {SHAPES_N}")
+    check_width(n)
     mine = cooperate("wgmma", (np.array(acc[:n // 2]), a0, a1, a2, a3, tile, index),
                       lambda lanes: wgmma_warpgroup(lanes, n), width=WARPGROUP)
     acc[:n // 2] = mine
@@ -211,15 +216,15 @@ def wgmma_f16(typingctx, acc, n, a0, a1, a2, a3, tile, index):
     a 128-byte-swizzled K-major shared tile at tile[index]; see the module docstring for layouts.
 
     `wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16`, asynchronous: the accumulators are
-    valid only after wgmma_commit_group() and wgmma_wait_group(). n is a compile-time constant.
+    valid only after wgmma_commit_group() and wgmma_wait_group(). n is a compile-time constant,
+    a multiple of 8 up to MAX_N (the GEMM issues SHAPES_N; dev/attention_prefill_wgmma_qk.py 32).
     """
     if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(n, types.IntegerLiteral)
             and all(isinstance(a, types.Integer) for a in (a0, a1, a2, a3))
             and _is_words(tile) and isinstance(index, types.Integer)):
         return None
     width = int(n.literal_value)
-    if width not in SHAPES_N:
-        raise ValueError(f"wgmma_f16: n = {width} is not one of {SHAPES_N}")
+    check_width(width)
     registers = width // 2
 
     def codegen(context, builder, sig, args):
