@@ -72,5 +72,5 @@ def test_kernel_compiles_for_sm90(target):
           f"{sum(loop.values())} PTX instructions: " + ", ".join(f"{n} {op}" for op, n in loop.most_common()))
     assert spills == [0] * len(spills), report
     # ptxas runs every wgmma of a kernel one at a time when the kernel holds a call (C7509): a
-    # correctly rounded division is one (dev/attention_prefill_wgmma_qk.py's reciprocal says more).
+    # correctly rounded division is one (docs/HARDWARE.md; kernels/call_free.py divides without it).
     assert "C7509" not in report, f"{target.name}: ptxas serializes its wgmmas: {report}"
