@@ -197,8 +197,9 @@ def build(num_heads: int, num_kv_heads: int, head_dim: int, key_tile: int, max_r
 
     @cuda.jit(device=True, inline="always")
     def block_setup(smem, row_count, start_position):
-        """(k ring, m, start, first row, last key, key tiles, kv head, warp, lane, gid, tid, real,
-        head, position): the K ring at the first 1024-byte boundary of the dynamic shared memory."""
+        """(k ring, m, first row, last key, key tiles, kv head, warp, lane, gid, tid, real, head,
+        position of the block's row 0): the K ring at the first 1024-byte boundary of the dynamic
+        shared memory."""
         k_ring = (U(SWIZZLE_ATOM_BYTES) - shared_byte_address(smem, U(0)) % U(SWIZZLE_ATOM_BYTES)) \
             % U(SWIZZLE_ATOM_BYTES) // U(4)
         m, start = U(row_count[0]), U(start_position[0])
@@ -208,7 +209,7 @@ def build(num_heads: int, num_kv_heads: int, head_dim: int, key_tile: int, max_r
         warp, lane = U(cuda.threadIdx.x) // U(32), U(cuda.threadIdx.x) % U(32)
         real = warp < U(GROUP)  # the warps past the group only help their warpgroup's wgmmas
         head = kv_head * U(GROUP) + min(warp, U(GROUP - 1))
-        return (k_ring, m, start, first_row, last_key, last_key // U(KEYS) + U(1), kv_head, warp, lane, lane // U(4),
+        return (k_ring, m, first_row, last_key, last_key // U(KEYS) + U(1), kv_head, warp, lane, lane // U(4),
                 lane % U(4), real, head, start + first_row)
 
     @cuda.jit(device=True, inline="always")
@@ -225,7 +226,7 @@ def build(num_heads: int, num_kv_heads: int, head_dim: int, key_tile: int, max_r
     @cuda.jit(**({} if SIMULATOR else {"max_registers": max_registers}))  # the simulator takes no such option
     def prefill_attention_wgmma_qk(q, k_words, v_words, page_table, start_position, row_count, out_words):
         smem = cuda.shared.array(0, types.uint32)
-        (k_ring, m, start, first_row, last_key, key_tiles, kv_head, warp, lane, gid, tid, real, head,
+        (k_ring, m, first_row, last_key, key_tiles, kv_head, warp, lane, gid, tid, real, head,
          position) = block_setup(smem, row_count, start_position)
         if first_row >= m:
             return
@@ -295,7 +296,7 @@ def build(num_heads: int, num_kv_heads: int, head_dim: int, key_tile: int, max_r
         from the V tile through ldmatrix.trans, B = P^T from a swizzled P tile each warp writes."""
         smem = cuda.shared.array(0, types.uint32)
         floats = cuda.shared.array(0, types.float32)  # the same memory: the row scales and sums
-        (k_ring, m, start, first_row, last_key, key_tiles, kv_head, warp, lane, gid, tid, real, head,
+        (k_ring, m, first_row, last_key, key_tiles, kv_head, warp, lane, gid, tid, real, head,
          position) = block_setup(smem, row_count, start_position)
         if first_row >= m:
             return
