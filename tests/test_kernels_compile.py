@@ -74,3 +74,15 @@ def test_kernel_compiles_for_sm90(target):
     # ptxas runs every wgmma of a kernel one at a time when the kernel holds a call (C7509): a
     # correctly rounded division is one (docs/HARDWARE.md; kernels/call_free.py divides without it).
     assert "C7509" not in report, f"{target.name}: ptxas serializes its wgmmas: {report}"
+
+
+def test_sampling_sorts_divide_by_nothing():
+    """The candidates kernels' sorting networks step by powers of two known only at run time;
+    `t // stride` by one is a 64-bit integer division, tens of instructions beside each
+    compare-exchange's few, so they step by shifts (kernels/sampling.py)."""
+    sorts = [t for t in TARGETS if t.name.startswith("candidates_")]
+    assert sorts
+    for target in sorts:
+        ptx, _ = cuda.compile_ptx(target.py_func, target.signature, cc=target.cc)
+        divisions = re.findall(r"\b(?:div|rem)\.[su]\d+\s", ptx)
+        assert not divisions, f"{target.name}: {collections.Counter(divisions)}"

@@ -241,20 +241,23 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
     warps = threads // 32
     chunk = -(-vocab_size // lists)
     valid = min(candidates, vocab_size)  # candidates that are real logits, not padding
+    candidate_shift = candidates.bit_length() - 1  # candidates = 1 << candidate_shift
 
     @cuda.jit(device=True, inline="always")
     def bitonic_sort(values, indices):
-        """Sort sort_size (value, index) pairs in shared memory, best first (Batcher's network)."""
-        size = 2
-        while size <= sort_size:
-            stride = size // 2
-            while stride > 0:
+        """Sort sort_size (value, index) pairs in shared memory, best first (Batcher's network).
+        Strides are powers of two held as shifts: `t // stride` by a stride known only at run
+        time is a 64-bit division, tens of instructions beside a compare-exchange's few."""
+        size_shift = 1
+        while (1 << size_shift) <= sort_size:
+            stride_shift = size_shift - 1
+            while stride_shift >= 0:
                 for t in range(cuda.threadIdx.x, sort_size // 2, threads):
-                    i = (t // stride) * 2 * stride + t % stride
-                    order_pair(values, indices, i, i + stride, (i & size) == 0)
+                    i = ((t >> stride_shift) << (stride_shift + 1)) | (t & ((1 << stride_shift) - 1))
+                    order_pair(values, indices, i, i + (1 << stride_shift), (i >> size_shift) & 1 == 0)
                 cuda.syncthreads()
-                stride //= 2
-            size *= 2
+                stride_shift -= 1
+            size_shift += 1
 
     @cuda.jit
     def candidates_partial(logits, sampling, candidate_values, candidate_indices, slice_max, slice_sum):
@@ -306,9 +309,11 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
         #    top `candidates` of all. Round `width`: list a = 2 * width * pair absorbs list
         #    a + width. max(A[e], B[last - e]) holds the top of A and B as a bitonic sequence,
         #    which log2(candidates) half-cleaner stages put in order.
-        width = 1
-        while width < lists:
-            pairs = lists // (2 * width)
+        #    Widths and halves are powers of two held as shifts (no run-time division).
+        width_shift = 0
+        while (1 << width_shift) < lists:
+            width = 1 << width_shift
+            pairs = lists >> (width_shift + 1)
             for t in range(tid, pairs * candidates, threads):
                 first = (t // candidates) * 2 * width  # list a; list b is first + width
                 a = first * candidates + t % candidates
@@ -317,15 +322,16 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
                     candidate_values[a] = candidate_values[b]
                     candidate_indices[a] = candidate_indices[b]
             cuda.syncthreads()
-            half = candidates // 2
-            while half > 0:
+            half_shift = candidate_shift - 1
+            while half_shift >= 0:
                 for t in range(tid, pairs * (candidates // 2), threads):
                     e = t % (candidates // 2)
-                    i = (t // (candidates // 2)) * 2 * width * candidates + (e // half) * 2 * half + e % half
-                    order_pair(candidate_values, candidate_indices, i, i + half, True)
+                    i = ((t // (candidates // 2)) * 2 * width * candidates + ((e >> half_shift) << (half_shift + 1))
+                         + (e & ((1 << half_shift) - 1)))
+                    order_pair(candidate_values, candidate_indices, i, i + (1 << half_shift), True)
                 cuda.syncthreads()
-                half //= 2
-            width *= 2
+                half_shift -= 1
+            width_shift += 1
         for t in range(tid, candidates, threads):
             top_values[t] = candidate_values[t]
             top_indices[t] = candidate_indices[t]
