@@ -8,6 +8,8 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   sampled token.
 - ITL: host wall clock between consecutive tokens of one run. The engine enqueues step p + 1
   before waiting for the token of step p, so in steady state this is the GPU time of one step.
+- Sampled: the graph-mode run again with Qwen2.5-Instruct's sampling defaults (temperature 0.7,
+  top-k 20, top-p 0.8: the candidates sampler) instead of greedy argmax.
 - GB/s: bytes one decode step must read (every INT4 weight and scale, norms, the lm_head, one
   embedding row, and the KV cache at the mean context of the run) over the median ITL, and its
   share of a device-to-device copy measured in the same run (bytes read + written).
@@ -49,6 +51,10 @@ from .kernels import GEMV_PATHS, PAGE_SIZE
 from .sampling import SamplingParams
 
 
+# The sampled run's parameters: Qwen2.5-Instruct's generation_config.json (checkpoint.py writes the
+# same), which serve's requests use when they ask for sampling; top-k / top-p take the candidates
+# sampler (kernels/sampling.py) instead of the argmax.
+SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
 MIN_TOKENS_FOR_ITL = 3  # a run's first gap overlaps the next step's launch (BenchSettings.validate)
 
 
@@ -143,21 +149,24 @@ def git_commit() -> str:
         return "unknown"
 
 
-def time_generation(backend, prompt: list[int], gen_tokens: int) -> tuple[float, list[float], float]:
-    """One greedy run: (TTFT ms, inter-token gaps in ms, total ms). No stop tokens: all tokens run."""
+def time_generation(backend, prompt: list[int], gen_tokens: int, params: SamplingParams = SamplingParams()
+                    ) -> tuple[float, list[float], float]:
+    """One run (greedy by default): (TTFT ms, inter-token gaps in ms, total ms). No stop tokens: all
+    tokens run."""
     stamps = []
     start = time.perf_counter()
-    for _ in backend.generate(prompt, SamplingParams(), gen_tokens, frozenset()):
+    for _ in backend.generate(prompt, params, gen_tokens, frozenset()):
         stamps.append(time.perf_counter())
     gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
     return 1e3 * (stamps[0] - start), gaps, 1e3 * (stamps[-1] - start)
 
 
-def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs) -> dict:
-    time_generation(backend, prompt, gen_tokens)  # warm-up
+def measure_mode(backend, prompt, gen_tokens, repeats, bytes_per_step, copy_gbs,
+                 params: SamplingParams = SamplingParams()) -> dict:
+    time_generation(backend, prompt, gen_tokens, params)  # warm-up
     ttfts, gaps, totals = [], [], []
     for _ in range(repeats):
-        ttft, run_gaps, total = time_generation(backend, prompt, gen_tokens)
+        ttft, run_gaps, total = time_generation(backend, prompt, gen_tokens, params)
         ttfts.append(ttft)
         gaps += run_gaps
         totals.append(total)
@@ -199,6 +208,9 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
 
     progress(f"graph mode: {settings.repeats} x ({settings.prompt_tokens} + {settings.gen_tokens} tokens)")
     graph = measure_mode(backend, prompt, settings.gen_tokens, settings.repeats, per_step, copy_gbs)
+    progress(f"graph mode, sampled ({SAMPLED.temperature}, top-k {SAMPLED.top_k}, top-p {SAMPLED.top_p}): "
+             f"{settings.repeats} x ({settings.prompt_tokens} + {settings.gen_tokens} tokens)")
+    sampled = measure_mode(backend, prompt, settings.gen_tokens, settings.repeats, per_step, copy_gbs, SAMPLED)
     progress(f"eager mode: {settings.eager_tokens} tokens")
     backend.eager = True
     eager = measure_mode(backend, prompt[:settings.EAGER_PROMPT_TOKENS], settings.eager_tokens, 1, per_step,
@@ -210,7 +222,7 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
                      "repeats": settings.repeats, "gemv": settings.gemv, "git_commit": git_commit(),
                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
         "config": dataclasses.asdict(cfg),
-        "bytes": by, "graph": graph, "eager": eager,
+        "bytes": by, "graph": graph, "sampled": sampled, "eager": eager,
         "graph_over_eager": eager["itl_ms"]["median"] / graph["itl_ms"]["median"],
         "peak_memory_gib": backend.device_memory_used() / 2**30,
     }

@@ -6,6 +6,7 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     settings   what was run (model, prompt/gen tokens, repeats, gemv path, git commit, date)
     gpu        name, driver, SM / memory clocks at start and end, measured copy bandwidth (GB/s)
     graph      ttft_ms, itl_ms {median, p10, p90}, decode_tok_s, e2e_tok_s, gbs, roofline_share, floor_ms
+    sampled    graph, with bench.SAMPLED's top-k / top-p sampling instead of greedy (absent before 2026-12-06)
     eager      the same, fewer tokens; graph_over_eager = eager ITL / graph ITL
     bytes      weight bytes and KV bytes read per decode step
     kernels    per-kernel breakdown of one decode step: name, launches, us, bytes, gbs, share
@@ -105,6 +106,7 @@ def render_markdown(result: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     lines += _mode_rows("graph", result.get("graph"))
+    lines += _mode_rows("graph, sampled", result.get("sampled"))
     lines += _mode_rows("eager", result.get("eager"))
     base = result.get("baseline")
     if base:

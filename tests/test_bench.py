@@ -29,7 +29,7 @@ def fake_result(rng):
         "gpu": {"name": "NVIDIA H200", "driver": "580", "clocks_start": "345/3201", "clocks_end": "1980/3201",
                 "copy_gbs": 4300.0},
         "bytes": {"weights": 3.65e9, "kv": 2.8e7, "context": 576},
-        "graph": fake_mode(rng), "eager": fake_mode(rng, itl=18.0),
+        "graph": fake_mode(rng), "sampled": fake_mode(rng, itl=2.5), "eager": fake_mode(rng, itl=18.0),
         "kernels": [{"name": "gemv", "launches": 28, "us": 100.0, "bytes": 1e8, "gbs": 1000.0, "share": 1.0}],
         "gemv": [{"name": "qkv", "n": 4608, "k": 3584, "prmt_us": 5.9, "prmt_gbs": 1448, "dp4a_us": 6.8,
                   "dp4a_gbs": 1264}],
@@ -71,6 +71,7 @@ def test_markdown_report_has_every_section():
     graph_itl = result["graph"]["itl_ms"]["median"]
     assert f"{graph_itl:.3f}" in text
     assert "| graph |" in text and "| eager |" in text and "| torch |" in text
+    assert f"| graph, sampled | {result['sampled']['ttft_ms']['median']:.2f} | {result['sampled']['itl_ms']['median']:.3f} " in text
     assert "GEMV shape" in text and "kernel (one decode step)" in text
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
     assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 | 34% |" in text
