@@ -19,11 +19,14 @@ Methods (`method_for` picks one per generation; each is the tail of its own grap
   (a power of two; 128 slices of 1188 logits at vocab 152064), one block of 1024 threads each,
   which sorts its slice in shared memory (bitonic sort of 2048 (logit, id) pairs, best first)
   and keeps its top CANDIDATES = 256, plus the slice's max and sum of exp((logit - max) / T).
-  `candidates_select`, one block, merges the sorted lists pairwise (keep the better of A[i] and
-  B[255 - i], which is a bitonic sequence holding the top 256 of both, then a bitonic merge),
-  in log2(LISTS) rounds, to the exact top 256 of the vocabulary in order. Then, as transformers
-  does and as pynanoqwen.sampling.sample defines it: softmax at temperature T, keep the top k,
-  keep the fewest whose probability reaches top_p, draw one by inverse CDF.
+  `candidates_merge` (LISTS / 16 blocks) loads 16 lists into shared memory and merges them pairwise
+  (keep the better of A[i] and B[255 - i], which is a bitonic sequence holding the top 256 of
+  both, then a bitonic merge) in log2(16) rounds, to the top 256 of its 16 slices in order;
+  `candidates_select`, one block, merges those 8 lists the same way, to the exact top 256 of the
+  vocabulary. Then, as transformers does and as pynanoqwen.sampling.sample defines it: softmax at
+  temperature T, keep the top k, keep the fewest whose probability reaches top_p, draw one by
+  inverse CDF. (Before 2026-12-06 one block merged all 128 lists in global memory:
+  docs/PERFORMANCE.md has both timings.)
 
 Approximation, "candidates" only: sampling sees the 256 largest logits. top_k above 256 acts as
 256. top_p is exact while the nucleus fits in 256 tokens (the full-vocabulary softmax normaliser
@@ -36,7 +39,7 @@ finaliser. No generator state advances, so a given seed and prompt give the same
 graph and eager mode, and the GPU and CPU samplers agree on the distribution, not the sequence.
 
 Traffic: the logits, 0.6 MB at vocab 152064, read once by each method (the candidate lists,
-256 KiB, stay in L2). Argmax should take a few us (one block finishes it: latency-bound); bench's
+256 KiB, stay in L2, and are read once more by candidates_merge). Argmax should take a few us (one block finishes it: latency-bound); bench's
 kernel table measures it, docs/PERFORMANCE.md has the figures.
 
 Device parameters: `sampling` float32 [2] = (1 / temperature, 0 for greedy; top_p),
@@ -62,6 +65,7 @@ ARGMAX_THREADS = 256
 ARGMAX_ITEMS = 8           # logits per argmax thread: vocab 152064 -> 75 blocks
 CANDIDATES = 256           # logits that top-k / top-p sampling sees, a power of two
 SORT_SIZE = 2048           # (logit, id) pairs one block sorts: 16 KiB of shared memory
+MERGE_GROUP = 16           # sorted lists one candidates_merge block merges: 32 KiB of shared memory
 NO_ID = 2**31 - 1          # an id worse than any real one, for "nothing seen yet"
 METHODS = ("prompt", "argmax", "candidates")
 
@@ -235,6 +239,15 @@ def _argmax_kernels(vocab_size: int, threads: int, blocks: int):
     return argmax_partial, argmax_finish
 
 
+def merge_groups_of(lists: int) -> tuple[int, int]:
+    """(lists a candidates_merge block merges, blocks of candidates_merge): the second is how many
+    lists candidates_select merges, at most MERGE_GROUP too (its shared memory)."""
+    group = min(MERGE_GROUP, lists)
+    if lists // group > MERGE_GROUP:
+        raise ValueError(f"{lists} candidate lists are more than {MERGE_GROUP}^2 (a larger sort_size would do)")
+    return group, lists // group
+
+
 @functools.cache
 def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: int):
     threads = sort_size // 2  # one compare-exchange per thread per sorting stage
@@ -242,6 +255,8 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
     chunk = -(-vocab_size // lists)
     valid = min(candidates, vocab_size)  # candidates that are real logits, not padding
     candidate_shift = candidates.bit_length() - 1  # candidates = 1 << candidate_shift
+    group, groups = merge_groups_of(lists)
+    group_pairs, top_pairs = group * candidates, groups * candidates  # shared-array sizes: constants
 
     @cuda.jit(device=True, inline="always")
     def bitonic_sort(values, indices):
@@ -258,6 +273,44 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
                 cuda.syncthreads()
                 stride_shift -= 1
             size_shift += 1
+
+    def merge_network(count: int):
+        """A device function that merges `count` (a power of two) sorted lists of `candidates`
+        (value, index) pairs, held one after another in `values`/`indices` (shared memory), until
+        list 0 holds the top `candidates` of all, in order. Round `width`: list a = 2 * width *
+        pair absorbs list a + width: max(A[e], B[last - e]) holds the top of A and B as a bitonic
+        sequence, which log2(candidates) half-cleaner stages put in order. Widths and halves are
+        powers of two held as shifts (no run-time division)."""
+
+        @cuda.jit(device=True, inline="always")
+        def merge(values, indices):
+            tid = cuda.threadIdx.x
+            width_shift = 0
+            while (1 << width_shift) < count:
+                width = 1 << width_shift
+                pairs = count >> (width_shift + 1)
+                for t in range(tid, pairs * candidates, threads):
+                    first = (t // candidates) * 2 * width  # list a; list b is first + width
+                    a = first * candidates + t % candidates
+                    b = (first + width) * candidates + candidates - 1 - t % candidates
+                    if better(values[a], indices[a], values[b], indices[b]):
+                        values[a] = values[b]
+                        indices[a] = indices[b]
+                cuda.syncthreads()
+                half_shift = candidate_shift - 1
+                while half_shift >= 0:
+                    for t in range(tid, pairs * (candidates // 2), threads):
+                        e = t % (candidates // 2)
+                        i = ((t // (candidates // 2)) * 2 * width * candidates + ((e >> half_shift) << (half_shift + 1))
+                             + (e & ((1 << half_shift) - 1)))
+                        order_pair(values, indices, i, i + (1 << half_shift), True)
+                    cuda.syncthreads()
+                    half_shift -= 1
+                width_shift += 1
+
+        return merge
+
+    merge_group, merge_groups = merge_network(group), merge_network(groups)
 
     @cuda.jit
     def candidates_partial(logits, sampling, candidate_values, candidate_indices, slice_max, slice_sum):
@@ -292,12 +345,28 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
             slice_sum[block] = total
 
     @cuda.jit
-    def candidates_select(candidate_values, candidate_indices, slice_max, slice_sum, sampling, top_k,
+    def candidates_merge(candidate_values, candidate_indices, merged_values, merged_indices):
+        launch_dependents()
+        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
+        values = cuda.shared.array(group_pairs, float32)
+        indices = cuda.shared.array(group_pairs, int32)
+        first = cuda.blockIdx.x * group_pairs
+        for t in range(cuda.threadIdx.x, group_pairs, threads):
+            values[t] = candidate_values[first + t]
+            indices[t] = candidate_indices[first + t]
+        cuda.syncthreads()
+        merge_group(values, indices)
+        for t in range(cuda.threadIdx.x, candidates, threads):
+            merged_values[cuda.blockIdx.x * candidates + t] = values[t]
+            merged_indices[cuda.blockIdx.x * candidates + t] = indices[t]
+
+    @cuda.jit
+    def candidates_select(merged_values, merged_indices, slice_max, slice_sum, sampling, top_k,
                           seed, tokens, pos):
         launch_dependents()
         grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
-        top_values = cuda.shared.array(candidates, float32)
-        top_indices = cuda.shared.array(candidates, int32)
+        top_values = cuda.shared.array(top_pairs, float32)
+        top_indices = cuda.shared.array(top_pairs, int32)
         cdf = cuda.shared.array(candidates, float32)
         scan = cuda.shared.array(candidates, float32)
         warp_totals = cuda.shared.array(32, float32)
@@ -305,37 +374,13 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
         tid = cuda.threadIdx.x
         p = pos[0]
 
-        # 1. Merge the sorted lists pairwise, in place in global memory, until list 0 holds the
-        #    top `candidates` of all. Round `width`: list a = 2 * width * pair absorbs list
-        #    a + width. max(A[e], B[last - e]) holds the top of A and B as a bitonic sequence,
-        #    which log2(candidates) half-cleaner stages put in order.
-        #    Widths and halves are powers of two held as shifts (no run-time division).
-        width_shift = 0
-        while (1 << width_shift) < lists:
-            width = 1 << width_shift
-            pairs = lists >> (width_shift + 1)
-            for t in range(tid, pairs * candidates, threads):
-                first = (t // candidates) * 2 * width  # list a; list b is first + width
-                a = first * candidates + t % candidates
-                b = (first + width) * candidates + candidates - 1 - t % candidates
-                if better(candidate_values[a], candidate_indices[a], candidate_values[b], candidate_indices[b]):
-                    candidate_values[a] = candidate_values[b]
-                    candidate_indices[a] = candidate_indices[b]
-            cuda.syncthreads()
-            half_shift = candidate_shift - 1
-            while half_shift >= 0:
-                for t in range(tid, pairs * (candidates // 2), threads):
-                    e = t % (candidates // 2)
-                    i = ((t // (candidates // 2)) * 2 * width * candidates + ((e >> half_shift) << (half_shift + 1))
-                         + (e & ((1 << half_shift) - 1)))
-                    order_pair(candidate_values, candidate_indices, i, i + (1 << half_shift), True)
-                cuda.syncthreads()
-                half_shift -= 1
-            width_shift += 1
-        for t in range(tid, candidates, threads):
-            top_values[t] = candidate_values[t]
-            top_indices[t] = candidate_indices[t]
+        # 1. The groups' merged lists into shared memory, merged there until list 0 holds the
+        #    top `candidates` of the whole vocabulary.
+        for t in range(tid, top_pairs, threads):
+            top_values[t] = merged_values[t]
+            top_indices[t] = merged_indices[t]
         cuda.syncthreads()
+        merge_groups(top_values, top_indices)
 
         # 2. The softmax normaliser over the whole vocabulary, relative to the largest logit.
         inv_temperature = sampling[0]
@@ -383,7 +428,7 @@ def _candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: 
                 tokens[p + 1] = top_indices[t]
                 pos[0] = p + 1
 
-    return candidates_partial, candidates_select, threads
+    return candidates_partial, candidates_merge, candidates_select, threads
 
 
 class Sampler:
@@ -399,7 +444,8 @@ class Sampler:
         for name, value in (("candidates", candidates), ("sort_size", sort_size)):
             if value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if not (candidates <= sort_size and 64 <= sort_size <= 2048 and argmax_threads % 32 == 0
+        # MERGE_GROUP lists of candidates (value, id) pairs must fit 48 KiB of static shared memory.
+        if not (candidates <= min(sort_size, CANDIDATES) and 64 <= sort_size <= 2048 and argmax_threads % 32 == 0
                 and 32 <= argmax_threads <= 1024):
             raise ValueError(f"unsupported sampler shape: candidates {candidates}, sort_size {sort_size}, "
                              f"argmax_threads {argmax_threads}")
@@ -409,12 +455,15 @@ class Sampler:
         self.argmax_blocks = -(-vocab_size // (argmax_threads * ARGMAX_ITEMS))
         self.lists = 1 << max(0, math.ceil(math.log2(-(-vocab_size // sort_size))))
         self.argmax_partial, self.argmax_finish = _argmax_kernels(vocab_size, argmax_threads, self.argmax_blocks)
-        self.candidates_partial, self.candidates_select, self.candidate_threads = _candidate_kernels(
-            vocab_size, candidates, sort_size, self.lists)
+        self.merge_blocks = merge_groups_of(self.lists)[1]
+        self.candidates_partial, self.candidates_merge, self.candidates_select, self.candidate_threads = \
+            _candidate_kernels(vocab_size, candidates, sort_size, self.lists)
         self.partial_values = cuda.device_array(self.argmax_blocks, np.float32)
         self.partial_indices = cuda.device_array(self.argmax_blocks, np.int32)
         self.candidate_values = cuda.device_array(self.lists * candidates, np.float32)
         self.candidate_indices = cuda.device_array(self.lists * candidates, np.int32)
+        self.merged_values = cuda.device_array(self.merge_blocks * candidates, np.float32)
+        self.merged_indices = cuda.device_array(self.merge_blocks * candidates, np.int32)
         self.slice_max = cuda.device_array(self.lists, np.float32)
         self.slice_sum = cuda.device_array(self.lists, np.float32)
 
@@ -422,7 +471,8 @@ class Sampler:
     def scratch_nbytes(vocab_size: int) -> int:
         """Device bytes a default-shaped Sampler allocates (for the engine's memory check)."""
         lists = 1 << max(0, math.ceil(math.log2(-(-vocab_size // SORT_SIZE))))
-        return 8 * (-(-vocab_size // (ARGMAX_THREADS * ARGMAX_ITEMS)) + lists * CANDIDATES + lists)
+        return 8 * (-(-vocab_size // (ARGMAX_THREADS * ARGMAX_ITEMS)) + (lists + merge_groups_of(lists)[1]) * CANDIDATES
+                    + lists)
 
     def launch(self, stream, method: str, logits, sampling, top_k, seed, tokens, pos) -> None:
         """Choose tokens[pos + 1] and advance pos, by `method` (one of METHODS).
@@ -440,8 +490,10 @@ class Sampler:
         elif method == "candidates":
             launch(self.candidates_partial, self.lists, self.candidate_threads, stream,
                    (logits, sampling, self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum))
+            launch(self.candidates_merge, self.merge_blocks, self.candidate_threads, stream,
+                   (self.candidate_values, self.candidate_indices, self.merged_values, self.merged_indices))
             launch(self.candidates_select, 1, self.candidate_threads, stream,
-                   (self.candidate_values, self.candidate_indices, self.slice_max, self.slice_sum, sampling, top_k,
+                   (self.merged_values, self.merged_indices, self.slice_max, self.slice_sum, sampling, top_k,
                     seed, tokens, pos))
         else:
             raise ValueError(f"unknown sampling method {method!r}; expected one of {METHODS}")
@@ -459,7 +511,7 @@ def compile_targets() -> list[CompileTarget]:
         blocks = -(-vocab // (ARGMAX_THREADS * ARGMAX_ITEMS))
         lists = 1 << max(0, math.ceil(math.log2(-(-vocab // SORT_SIZE))))
         partial, finish = _argmax_kernels(vocab, ARGMAX_THREADS, blocks)
-        select_partial, select, _ = _candidate_kernels(vocab, CANDIDATES, SORT_SIZE, lists)
+        select_partial, merge, select, _ = _candidate_kernels(vocab, CANDIDATES, SORT_SIZE, lists)
         targets += [
             CompileTarget(f"argmax_partial[vocab={vocab}]", partial, types.void(f32, f32, u64, i32, f32, i32),
                           ("shfl.sync.bfly.b32",)),
@@ -467,6 +519,7 @@ def compile_targets() -> list[CompileTarget]:
                           ("shfl.sync.bfly.b32",)),
             CompileTarget(f"candidates_partial[vocab={vocab}]", select_partial,
                           types.void(f32, f32, f32, i32, f32, f32), ("shfl.sync.bfly.b32",)),
+            CompileTarget(f"candidates_merge[vocab={vocab}]", merge, types.void(f32, i32, f32, i32)),
             CompileTarget(f"candidates_select[vocab={vocab}]", select,
                           types.void(f32, i32, f32, f32, f32, i32, u64, i32, i32), ("shfl.sync.bfly.b32",)),
         ]

@@ -146,20 +146,29 @@ def expected_candidate_draw(logits, params, u, candidates):
     return int(order[index]), min(np.min(np.abs(cdf - u)), nucleus_margin)
 
 
-@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.6), (12, 0.8), (40, 0.95)])
-def test_candidate_sampling_matches_the_inverse_cdf_oracle(top_k, top_p):
+# 300: 8 lists, merged by one candidates_merge block; 4096: 64 lists, 4 merge blocks of 16, whose
+# 4 lists candidates_select merges.
+@pytest.mark.parametrize("vocab, top_k, top_p", [(300, 5, 1.0), (300, 0, 0.6), (300, 12, 0.8), (300, 40, 0.95),
+                                                 (4096, 0, 0.9), (4096, 10, 1.0)])
+def test_candidate_sampling_matches_the_inverse_cdf_oracle(vocab, top_k, top_p):
     rng = np.random.default_rng()
-    vocab = 300
     sampler = Sampler(vocab, **SMALL)
     logits = random_logits(rng, vocab)
     params = SamplingParams(temperature=float(rng.uniform(0.5, 1.5)), top_k=top_k, top_p=top_p,
                             seed=int(rng.integers(0, 2**63)))
     position = int(rng.integers(0, 10000))
     got = sample_on_device(sampler, "candidates", logits, params, position)
-    # The merge leaves the exact top `candidates` (larger logit, then lower id) in list 0, in order.
-    order = np.argsort(-logits, kind="stable")[:SMALL["candidates"]]
-    np.testing.assert_array_equal(sampler.candidate_indices.copy_to_host()[:SMALL["candidates"]], order)
-    np.testing.assert_array_equal(sampler.candidate_values.copy_to_host()[:SMALL["candidates"]], logits[order])
+    # Merge block b leaves the exact top `candidates` (larger logit, then lower id) of its group's
+    # slices of the vocabulary in its list, in order.
+    c = SMALL["candidates"]
+    group_logits = -(-vocab // sampler.lists) * (sampler.lists // sampler.merge_blocks)
+    merged_values, merged_indices = sampler.merged_values.copy_to_host(), sampler.merged_indices.copy_to_host()
+    assert sampler.merge_blocks == (1 if vocab == 300 else 4)
+    for b in range(sampler.merge_blocks):
+        ids = np.arange(b * group_logits, min(vocab, (b + 1) * group_logits))
+        order = ids[np.argsort(-logits[ids], kind="stable")[:c]]
+        np.testing.assert_array_equal(merged_indices[b * c:(b + 1) * c], order)
+        np.testing.assert_array_equal(merged_values[b * c:(b + 1) * c], logits[order])
     expected, margin = expected_candidate_draw(logits, params, uniform_reference(params.seed, position, vocab),
                                                SMALL["candidates"])
     if margin > 1e-5:  # float32 vs float64 can only disagree at a boundary of the CDF or the nucleus
