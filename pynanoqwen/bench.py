@@ -51,9 +51,8 @@ from .kernels import GEMV_PATHS, PAGE_SIZE
 from .sampling import SamplingParams
 
 
-# The sampled run's parameters: Qwen2.5-Instruct's generation_config.json (checkpoint.py writes the
-# same), which serve's requests use when they ask for sampling; top-k / top-p take the candidates
-# sampler (kernels/sampling.py) instead of the argmax.
+# The sampled run: Qwen2.5-Instruct's generation_config.json (as checkpoint.py writes it), whose
+# top-k / top-p take the candidates sampler (kernels/sampling.py).
 SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
 MIN_TOKENS_FOR_ITL = 3  # a run's first gap overlaps the next step's launch (BenchSettings.validate)
 
@@ -151,8 +150,7 @@ def git_commit() -> str:
 
 def time_generation(backend, prompt: list[int], gen_tokens: int, params: SamplingParams = SamplingParams()
                     ) -> tuple[float, list[float], float]:
-    """One run (greedy by default): (TTFT ms, inter-token gaps in ms, total ms). No stop tokens: all
-    tokens run."""
+    """One run (greedy by default): (TTFT ms, inter-token gaps in ms, total ms); no stop tokens."""
     stamps = []
     start = time.perf_counter()
     for _ in backend.generate(prompt, params, gen_tokens, frozenset()):
