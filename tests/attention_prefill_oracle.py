@@ -45,3 +45,43 @@ def reference_and_bound(q, k_pages, v_pages, page_table, start, m, segment_keys=
         relative = 2.0 ** -11 + (count + head_dim + 4 + 6 * folds) * 2.0 ** -23 + np.expm1(2 * math.log(2) * delta)
         tolerance[:, h] = (weights @ np.abs(v)) * relative[:, None] + 2.0 ** -11 * np.abs(expected[:, h]) + 2.0 ** -25
     return expected.reshape(m, -1), tolerance.reshape(m, -1)
+
+
+def random_case(rng, start, m, shape, m_cap, max_pages, pool_pages):
+    """q [m_cap, heads, d] and K/V pools of `pool_pages` pages for shape (heads, kv heads, d), the
+    table a random permutation of the pool; NaN in every slot outside positions 0..start+m-1 and in
+    q past m, so reading a masked key, a slot past the chunk or a wrong page poisons the output."""
+    num_heads, num_kv_heads, head_dim = shape
+    pool = (pool_pages, num_kv_heads, PAGE_SIZE, head_dim)
+    k_pages = np.full(pool, np.nan, np.float16)
+    v_pages = np.full(pool, np.nan, np.float16)
+    page_table = rng.permutation(pool_pages)[:max_pages].astype(np.int32)
+    positions = np.arange(start + m)
+    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
+    k_pages[pages, :, slots] = rng.standard_normal((start + m, num_kv_heads, head_dim))
+    v_pages[pages, :, slots] = rng.standard_normal((start + m, num_kv_heads, head_dim))
+    q = np.full((m_cap, num_heads, head_dim), np.nan, np.float32)
+    # Scaled so that the softmax is peaked enough to depend on every score.
+    q[:m] = 3.0 * rng.standard_normal((m, num_heads, head_dim))
+    return q, k_pages, v_pages, page_table
+
+
+def run_case(attention, case, start, m):
+    """The attention's output rows 0..m-1 for `case` (host arrays in, host array out)."""
+    from numba import cuda
+
+    q, k_pages, v_pages, page_table = case
+    out = cuda.to_device(np.full((q.shape[0], q.shape[1] * q.shape[2]), np.nan, np.float16))
+    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
+                     cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
+                     cuda.to_device(np.array([m], np.int32)), out)
+    return out.copy_to_host()[:m]
+
+
+def check_case(got, case, start, m, label, segment_keys):
+    """Every output within its bound, or an assertion that says how many are not."""
+    expected, tolerance = reference_and_bound(*case, start, m, segment_keys=segment_keys)
+    error = np.abs(got.astype(np.float64) - expected)
+    assert np.all(error <= tolerance), (f"start {start}, m {m}, {label}: max error {np.nanmax(error):.3g}, "
+                                        f"{np.sum(~(error <= tolerance))} elements over their bound "
+                                        f"(at most {tolerance.max():.3g})")

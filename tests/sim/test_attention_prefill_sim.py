@@ -22,10 +22,10 @@ normalised weights by a factor within 2^(+-2 Delta)), and the final fp16 store (
 
 import numpy as np
 import pytest
-from numba import cuda
 
-from attention_prefill_oracle import reference_and_bound
-from pynanoqwen.kernels.attention_prefill import KEY_TILE, PAGE_SIZE, make_prefill_attention
+from attention_prefill_oracle import check_case, run_case as run
+from attention_prefill_oracle import random_case as oracle_case
+from pynanoqwen.kernels.attention_prefill import KEY_TILE, make_prefill_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 32
 M_CAP = 32
@@ -34,36 +34,11 @@ POOL_PAGES = 7
 
 
 def random_case(rng, start, m):
-    """q, K/V pools (shuffled pages, NaN outside positions 0..start+m-1) and the page table."""
-    shape = (POOL_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
-    k_pages = np.full(shape, np.nan, np.float16)
-    v_pages = np.full(shape, np.nan, np.float16)
-    page_table = rng.permutation(POOL_PAGES)[:MAX_PAGES].astype(np.int32)
-    positions = np.arange(start + m)
-    pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    k_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
-    v_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
-    q = np.full((M_CAP, NUM_HEADS, HEAD_DIM), np.nan, np.float32)
-    # Scaled so that the softmax is peaked enough to depend on every score.
-    q[:m] = 3.0 * rng.standard_normal((m, NUM_HEADS, HEAD_DIM))
-    return q, k_pages, v_pages, page_table
-
-
-def run(attention, case, start, m):
-    q, k_pages, v_pages, page_table = case
-    out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
-    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
-                     cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
-                     cuda.to_device(np.array([m], np.int32)), out)
-    return out.copy_to_host()[:m]
+    return oracle_case(rng, start, m, (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), M_CAP, MAX_PAGES, POOL_PAGES)
 
 
 def check(got, case, start, m, label):
-    expected, tolerance = reference_and_bound(*case, start, m, segment_keys=KEY_TILE)
-    error = np.abs(got.astype(np.float64) - expected)
-    assert np.all(error <= tolerance), (f"start {start}, m {m}, {label}: max error {np.nanmax(error):.3g}, "
-                                        f"{np.sum(~(error <= tolerance))} elements over their bound "
-                                        f"(at most {tolerance.max():.3g})")
+    check_case(got, case, start, m, label, KEY_TILE)
 
 
 @pytest.mark.parametrize("query_tile", [16, 32])
