@@ -216,8 +216,13 @@ def test_candidate_sampling_7b_matches_the_numpy_sampler(top_k, top_p):
     params = SamplingParams(temperature=float(rng.uniform(0.6, 1.2)), top_k=top_k, top_p=top_p,
                             seed=int(rng.integers(0, 2**63)))
     got = draw(sampler, "candidates", logits, params, 8)
-    order = np.argsort(-logits, kind="stable")[:CANDIDATES]
-    np.testing.assert_array_equal(sampler.candidate_indices.copy_to_host()[:CANDIDATES], order)
+    # Merge block b leaves the top CANDIDATES of its group of slices (larger logit, then lower id), in order.
+    group_logits = -(-SEVEN_B.vocab_size // sampler.lists) * (sampler.lists // sampler.merge_blocks)
+    merged = sampler.merged_indices.copy_to_host()
+    for b in range(sampler.merge_blocks):
+        group = np.arange(b * group_logits, min(SEVEN_B.vocab_size, (b + 1) * group_logits))
+        order = group[np.argsort(-logits[group], kind="stable")[:CANDIDATES]]
+        np.testing.assert_array_equal(merged[b * CANDIDATES:(b + 1) * CANDIDATES], order)
     ids, probs = candidate_probabilities(logits, params)
     cdf = np.cumsum(probs)
     for position, token in enumerate(got):
