@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from . import bench_report, device
+from .checkpoint import QWEN_SAMPLING
 from .config import ModelConfig, preset
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
@@ -51,9 +52,8 @@ from .kernels import GEMV_PATHS, PAGE_SIZE
 from .sampling import SamplingParams
 
 
-# The sampled run: Qwen2.5-Instruct's generation_config.json (as checkpoint.py writes it), whose
-# top-k / top-p take the candidates sampler (kernels/sampling.py).
-SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
+# The sampled run: Qwen2.5-Instruct's sampling, whose top-k / top-p take the candidates sampler.
+SAMPLED = SamplingParams(**QWEN_SAMPLING, seed=1)
 MIN_TOKENS_FOR_ITL = 3  # a run's first gap overlaps the next step's launch (BenchSettings.validate)
 
 

@@ -186,11 +186,14 @@ def tokenizer_config(cfg: ModelConfig) -> dict:
     }
 
 
+QWEN_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}  # Qwen2.5-Instruct's generation_config.json
+
+
 def generation_config(cfg: ModelConfig) -> dict:
     """Qwen2.5-Instruct's sampling defaults, with our token ids."""
     return {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.bos_token_id,
             "eos_token_id": [cfg.eos_token_id, cfg.bos_token_id], "do_sample": True,
-            "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+            "repetition_penalty": 1.05, **QWEN_SAMPLING}
 
 
 def write_random_weights(cfg: ModelConfig, out_dir: Path, *, seed: int, dtype: str,
