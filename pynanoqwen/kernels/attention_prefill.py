@@ -13,11 +13,13 @@ head_dim] (rotated), out float16 [M_cap, num_heads * head_dim]. start and m are 
 arrays, because the launch is captured in a CUDA graph; M_cap (q.shape[0]) fixes the grid then.
 
 Launch shape. grid = (ceil(M_cap / query_tile), num_kv_heads), block = group * query_tile / 16
-warps. Block (x, g) serves query positions [r0, r0 + query_tile) for all `group` query heads of KV
-head g, so each K/V tile it stages in shared memory feeds every one of those heads (GQA reuse: at
-7B one pass over the pages serves 7 heads). The x order is reversed (r0 counts down from the end)
-because later rows see more keys: the longest blocks start first. Blocks with r0 >= m exit at once.
-Warp w owns one 16-row mma tile: query head g * group + w % group, rows r0 + 16 (w // group)..+15.
+warps padded to whole warpgroups (7 -> 8 at 7B). Block (x, g) serves query positions [r0, r0 +
+query_tile) for all `group` query heads of KV head g, so each K/V tile it stages in shared memory
+feeds every one of those heads (GQA reuse: at 7B one pass over the pages serves 7 heads). The x
+order is reversed (r0 counts down from the end) because later rows see more keys: the longest
+blocks start first. Blocks with r0 >= m exit at once. Warp w < group * query_tile / 16 owns one
+16-row tile: query head g * group + w % group, rows r0 + 16 (w // group)..+15. A padding warp
+takes warp 0's rows, joins its warpgroup's wgmmas and does nothing else (no state, record or store).
 (The split form below adds grid z, one block per segment.) This module owns what is computed,
 the launch and the split form's records; kernels/attention_prefill_kernels.py builds the kernels.
 
@@ -25,9 +27,14 @@ Per warp, with lane (gid, tid) = (lane // 4, lane % 4) as in ptx/mma.py:
 - Q is loaded once from global memory, scaled by log2(e) / sqrt(head_dim) (scores live in the log2
   domain, so exp2, one `ex2.approx`, gives the weights), rounded to FP16 and kept in registers as
   the A fragments of its head_dim / 16 k steps (32 registers at head_dim 128).
-- Keys come in tiles of KEY_TILE = 32 (two pages). S = Q K^T is 16 x 32: 4 n tiles of 8 keys,
-  each head_dim / 16 mma steps, the B fragments read with `ldmatrix.x4` straight from the K rows
-  (K row-major is B = K^T column-major, which is what the .col operand wants).
+- Keys come in tiles of KEY_TILE = 64 (four pages). S = Q K^T on `wgmma`: a warpgroup's four
+  warps' 16 x 64 score tiles are one m64n64 product, head_dim / 16 `wgmma.m64n64k16` whose A rows
+  are the four warps' Q fragments (registers exactly as mma.sync takes them) and whose B is the K
+  tile in shared memory, in the 128-byte-swizzled K-major layout the tensor cores read (ptx/
+  wgmma.py). The scores come back in mma.sync's D layout (per warp: 8 n tiles of 8 keys), so the
+  rest is per warp. Every warp of a block attends every tile up to the block's last key, since a
+  wgmma needs its whole warpgroup: for a warp whose rows all precede a tile, every weight is
+  exp2(-inf) = 0 and every rescaling 1 (0 on an empty state), so its state keeps its bits.
 - Causal mask (only in tiles that reach past the warp's first position): key > row position -> -inf.
   Online softmax in float32: row max over the quad (2 shuffles), rescale the O accumulators and
   the running sum by exp2(old max - new max), P = exp2(S - max).
@@ -38,8 +45,10 @@ Per warp, with lane (gid, tid) = (lane // 4, lane % 4) as in ptx/mma.py:
 - The row sums stay per-lane partial sums until the end (one quad reduction), then each lane
   writes its half2 words of the rows below m.
 
-Per key tile a warp issues head_dim / 2 mma (64 at head_dim 128), head_dim / 4 ldmatrix.x4 and
-~120 instructions of softmax (the PTX block of softmax + P V: 243 instructions, 32 mma).
+Per 64-key tile a warpgroup issues head_dim / 16 wgmma (8 at head_dim 128), and each warp
+head_dim / 2 mma.sync of P V (64), head_dim / 4 ldmatrix.x4.trans and the softmax of its 16 x 64
+scores (the tile loop: 1301 PTX instructions a warp at 7B, with the segment fold that runs once
+in 8 tiles; `python dev/ptx_loop_mix.py "prefill_attention[28/4x128"`).
 
 Segments, and the split form. A block walking its keys alone leaves a short chunk over a long
 cache (an /infill whose last line changed: 22 rows over 3984 cached keys) with 8 blocks on 132
@@ -62,31 +71,34 @@ in a small bucket, split, where the cold run computed them in a large one, whole
 
 Pipeline: two stages of (K tile, V tile) in shared memory, filled with 16-byte `cp.async.cg` by
 all threads (page_table is looked up per row). In step kt a thread waits for its copies of tile
-kt, one barrier publishes the tile (and tells everyone the other stage is free), then tile kt + 1
-is issued and tile kt computed, so the copy of the next tile overlaps this one's mma. Key rows
-past the block's last needed position (min(start + r0 + query_tile, start + m) - 1) are zero-
-filled by the copy (src-size 0) and never read from global memory: garbage there would otherwise
-reach O through 0 * NaN. Rows are padded from head_dim / 2 to head_dim / 2 + 4 words so that the
-8 row addresses of one ldmatrix matrix fall in 8 different 16-byte bank groups (no conflicts):
-2 x 2 x 32 x 272 B = 34 KiB of shared memory per block at head_dim 128, and the whole kernel's
-running state, 7 warps x 32 lanes x 68 floats = 60 KiB (dynamic).
+kt and makes them visible to the tensor cores (`fence.proxy.async`), one barrier publishes the
+tile (and tells everyone the other stage is free), then tile kt + 1 is issued and tile kt
+computed, so the copy of the next tile overlaps this one's arithmetic. Key rows past the block's
+last needed position (min(start + r0 + query_tile, start + m) - 1) are zero-filled by the copy
+(src-size 0) and never read from global memory: garbage there would otherwise reach O through 0 *
+NaN. K chunk c of key r lands at chunk c ^ (r % 8) of its 64-dim slab's 128-byte row (the swizzle
+wgmma reads; the K ring starts at a 1024-byte boundary). V rows are padded from head_dim / 2 to
+head_dim / 2 + 4 words so that the 8 row addresses of one ldmatrix matrix fall in 8 different
+16-byte bank groups (no conflicts). All of it is dynamic shared memory (`shared_bytes`): at
+head_dim 128, 1 KiB of alignment slack + 2 x 64 x (256 + 272) B of rings = 67 KiB, and for the
+whole kernel its running state, 8 warps x 32 lanes x 68 floats = 68 KiB.
 
 Cost model (predicted; the measured times are in docs/PERFORMANCE.md, and
 tests/test_attention_prefill_gpu.py prints them).
 The causal work at 7B is 4 * head_dim * num_heads * sum_i (start + i + 1) FLOP per layer
 (`attention_flops`): 1.9 GFLOP at m = 512, 30 GFLOP at m = 2048, 90 GFLOP for a second 2048-row
 chunk (start = 2048), 481 GFLOP for 8192 rows in one pass; the layer's INT4 GEMMs are 0.47 GFLOP
-per row (240 GFLOP at m = 512). Per key tile a warp issues 64 mma for 262 kFLOP; if the tensor
-cores run at a third of the ~660 TFLOP/s mma.sync peak (7-14 warps per SM, softmax in between)
-that is ~18 us at m = 512 (one wave of 128 blocks: the longest, 16 key tiles, sets the time),
-~140 us at 2048, ~410 us for the second chunk. K/V traffic: each block reads its KV head's keys 0..last once
-(512 B per key at head_dim 128, K + V) from L2 mostly: at query tile 16, ~0.8 GB for the second
-2048-row chunk, well under the L2's bandwidth for that time. Registers: 128 (capped, REGISTER_CAP),
-shared memory 95 KiB, so two 7-warp blocks share an SM. A fold adds ~360 PTX instructions a
-segment of 16 tiles of ~510 each (predicted ~4%; measured 5-10%, docs/PERFORMANCE.md). Split, a
-22-row chunk over 3984 keys runs 64 blocks of at most 16 tiles and a merge that reads 61 KiB of
-records a (row block, kv head, segment). What it reaches is bench's prefill-attention
-table in docs/PERFORMANCE.md (~200 TFLOP/s, a quarter of the bf16 peak, from 8k tokens on).
+per row (240 GFLOP at m = 512). Registers: 255 (REGISTER_CAP; 205 used at 7B, nothing
+spilled), so one 8-warp block a SM: latency is hidden by the wgmma running asynchronously and by
+the copy ring, not by a second block. K/V traffic: each block reads its KV head's keys 0..last
+once (512 B per key at head_dim 128, K + V) from L2 mostly: at query tile 16, ~0.8 GB for the
+second 2048-row chunk, well under the L2's bandwidth for that time. Split, a 22-row chunk over
+3984 keys runs 64 blocks of at most 8 tiles and a merge that reads 61 KiB of records a (row
+block, kv head, segment). Expected: the issue rate, not the tensor pipe, limits it (the
+mma.sync kernel before this one, at 16 warps a SM, was issue- and latency-bound at ~200 TFLOP/s;
+wgmma takes the 32 mma.sync and 16 ldmatrix.x4 of each warp's Q K^T off the issue slots). What it
+reaches is bench's prefill-attention table in docs/PERFORMANCE.md (on an H100, 95 TFLOP/s at 512
+rows, 265-273 from 8k tokens on, against the mma.sync kernel's 52 and 188-201).
 """
 
 from __future__ import annotations
@@ -96,9 +108,10 @@ from numba import cuda, types
 
 from ..errors import ConfigError
 from ..launch import launch
+from ..ptx.wgmma import SWIZZLE_ATOM_BYTES
 from . import PAGE_SIZE, CompileTarget
-from .attention_prefill_kernels import KEY_TILE, MERGE_PARTS, QUERY_TILE, SEGMENT_KEYS, SPLIT_ROWS, build_kernels, \
-    state_values
+from .attention_prefill_kernels import KEY_TILE, MERGE_PARTS, QUERY_TILE, SEGMENT_KEYS, SPLIT_ROWS, STAGES, \
+    WARPS_PER_GROUP, build_kernels, state_values
 
 
 def make_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, *,
@@ -108,11 +121,10 @@ def make_prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, max
     Chunks of at most split_rows rows run split (0: never)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim % 32:
-        raise ConfigError(f"prefill attention needs head_dim a multiple of 32, got {head_dim}")
+    if head_dim % 64:  # the K ring's rows are whole 128-byte swizzle rows
+        raise ConfigError(f"prefill attention needs head_dim a multiple of 64, got {head_dim}")
     warps = block_warps(num_heads, num_kv_heads, query_tile)
-    # At ~166 registers a thread, 14 warps (7B, query_tile 32) did not launch on the H200
-    # (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: 166 x 448 > 65536 registers); 8 warps always fit.
+    # At 255 registers a thread (REGISTER_CAP), 8 warps are what an SM's 65536 registers hold.
     if query_tile < 16 or query_tile % 16 or warps > 8:
         raise ConfigError(f"query_tile {query_tile} must be a multiple of 16 giving at most 8 warps "
                           f"({num_heads // num_kv_heads} query heads per KV head)")
@@ -136,7 +148,8 @@ class PrefillAttention:
         self.whole, self.split, self.merge = build_kernels(num_heads, num_kv_heads, head_dim, query_tile,
                                                             segment_keys, self.max_segments)
         self.block = 32 * block_warps(num_heads, num_kv_heads, query_tile)
-        self.running_bytes = 4 * self.block * state_values(head_dim)  # the whole kernel's dynamic shared memory
+        self.whole_bytes = shared_bytes(num_heads, num_kv_heads, head_dim, query_tile, whole=True)
+        self.split_bytes = shared_bytes(num_heads, num_kv_heads, head_dim, query_tile, whole=False)
         self.records = (cuda.device_array(split_records(num_heads, num_kv_heads, head_dim, max_pages, query_tile,
                                                         segment_keys, split_rows), np.float32)
                         if split_rows else None)
@@ -165,25 +178,36 @@ class PrefillAttention:
         k_words, v_words = k_pages.reshape(k_pages.size).view(words), v_pages.reshape(v_pages.size).view(words)
         out_words = out.reshape(out.size).view(words)
         if m_cap <= self.split_rows:
-            self.split[(row_blocks, self.num_kv_heads, self.max_segments), self.block, stream](
-                q, k_words, v_words, page_table, start, m, self.records)
-            self.merge[(row_blocks, self.num_kv_heads, MERGE_PARTS), self.block, stream](start, m, self.records,
-                                                                                          out_words)
+            launch(self.split, (row_blocks, self.num_kv_heads, self.max_segments), self.block, stream,
+                   (q, k_words, v_words, page_table, start, m, self.records), self.split_bytes, dependent=False)
+            launch(self.merge, (row_blocks, self.num_kv_heads, MERGE_PARTS), self.block, stream,
+                   (start, m, self.records, out_words), dependent=False)
         else:
             launch(self.whole, (row_blocks, self.num_kv_heads), self.block, stream,
-                   (q, k_words, v_words, page_table, start, m, out_words), self.running_bytes, dependent=False)
+                   (q, k_words, v_words, page_table, start, m, out_words), self.whole_bytes, dependent=False)
 
 
 def split_records(num_heads: int, num_kv_heads: int, head_dim: int, max_pages: int, query_tile: int = QUERY_TILE,
                   segment_keys: int = SEGMENT_KEYS, split_rows: int = SPLIT_ROWS) -> int:
-    """Floats of the split form's records: a lane's state for every (row block, kv head, segment, warp)."""
+    """Floats of the split form's records: a lane's state for every (row block, kv head, segment,
+    warp that is not padding)."""
     return (-(-split_rows // query_tile) * num_kv_heads * segment_count(max_pages, segment_keys)
-            * 32 * block_warps(num_heads, num_kv_heads, query_tile) * state_values(head_dim))
+            * 32 * (num_heads // num_kv_heads * (query_tile // 16)) * state_values(head_dim))
 
 
 def block_warps(num_heads: int, num_kv_heads: int, query_tile: int) -> int:
-    """Warps of a block: one 16-row mma tile of positions for each query head of a KV head."""
-    return num_heads // num_kv_heads * (query_tile // 16)
+    """Warps of a block: one 16-row tile of positions for each query head of a KV head, padded to
+    whole warpgroups."""
+    real = num_heads // num_kv_heads * (query_tile // 16)
+    return -(-real // WARPS_PER_GROUP) * WARPS_PER_GROUP
+
+
+def shared_bytes(num_heads: int, num_kv_heads: int, head_dim: int, query_tile: int, whole: bool) -> int:
+    """Dynamic shared memory of a block: the K ring's 1024-byte alignment slack, the rings (K
+    unpadded, V padded by 16 bytes a row), and for the whole kernel its running state."""
+    rings = STAGES * KEY_TILE * (head_dim * 2 + (head_dim // 2 + 4) * 4)
+    running = 4 * 32 * block_warps(num_heads, num_kv_heads, query_tile) * state_values(head_dim) if whole else 0
+    return SWIZZLE_ATOM_BYTES + rings + running
 
 
 def segment_count(max_pages: int, segment_keys: int) -> int:
@@ -198,26 +222,30 @@ def attention_flops(start: int, m: int, num_heads: int, head_dim: int) -> int:
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The whole, split and merge kernels at the 7B shape (28 q heads over 4 KV heads, head_dim
-    128, 32768 positions) at query tile 16, the whole kernel at query tile 32, and the simulator
-    test's tiny shape."""
+    """The whole, split and merge kernels (sm_90a: wgmma) at the 7B shape (28 q heads over 4 KV
+    heads, head_dim 128, 32768 positions) and at the simulator test's tiny one (4 over 2, head_dim
+    64, one-tile segments) at query tile 16; the whole kernel at 0.5B's (14 over 2, head_dim 64) and
+    at the tiny shape's query tile 32."""
     words, floats, ints = types.uint32[::1], types.float32[::1], types.int32[::1]
     q = types.float32[:, :, ::1]
     whole = types.void(q, words, words, ints, ints, ints, words)
     split = types.void(q, words, words, ints, ints, ints, floats)
     merge = types.void(ints, ints, floats, words)
-    mma = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
-           "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global", "cvt.rn.f16x2.f32",
-           "shfl.sync.bfly.b32", "ex2.approx.f32")
+    tiles = (f"wgmma.mma_async.sync.aligned.m64n{KEY_TILE}k16.f32.f16.f16", "fence.proxy.async.shared::cta",
+             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+             "cp.async.cg.shared.global", "cvt.rn.f16x2.f32", "shfl.sync.bfly.b32", "ex2.approx.f32")
     targets = []
-    for heads, kv_heads, head_dim, tile, pages, segment in ((28, 4, 128, 16, 2048, SEGMENT_KEYS),
-                                                            (28, 4, 128, 32, 2048, SEGMENT_KEYS),
-                                                            (4, 2, 32, 16, 8, KEY_TILE)):
+    for heads, kv_heads, head_dim, tile, pages, segment, forms in ((28, 4, 128, 16, 2048, SEGMENT_KEYS, 3),
+                                                                   (14, 2, 64, 16, 2048, SEGMENT_KEYS, 1),
+                                                                   (4, 2, 64, 16, 8, KEY_TILE, 3),
+                                                                   (4, 2, 64, 32, 8, KEY_TILE, 1)):
         kernels = build_kernels(heads, kv_heads, head_dim, tile, segment, segment_count(pages, segment))
         name = f"{heads}/{kv_heads}x{head_dim}, query tile {tile}, {segment}-key segments"
-        targets.append(CompileTarget(f"prefill_attention[{name}]", kernels[0], whole, mma + ("fma.rn.f32",)))
-        if tile == QUERY_TILE:
-            targets.append(CompileTarget(f"prefill_attention_split[{name}]", kernels[1], split, mma))
+        targets.append(CompileTarget(f"prefill_attention[{name}]", kernels[0], whole, tiles + ("fma.rn.f32",),
+                                     cc=(9, 0, "a")))
+        if forms == 3:
+            targets.append(CompileTarget(f"prefill_attention_split[{name}]", kernels[1], split, tiles,
+                                         cc=(9, 0, "a")))
             targets.append(CompileTarget(f"prefill_attention_merge[{name}]", kernels[2], merge,
-                                         ("fma.rn.f32", "shfl.sync.bfly.b32", "cvt.rn.f16x2.f32")))
+                                         ("fma.rn.f32", "shfl.sync.bfly.b32", "cvt.rn.f16x2.f32"), cc=(9, 0, "a")))
     return targets

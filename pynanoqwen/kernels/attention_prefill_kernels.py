@@ -13,29 +13,32 @@ from numba import cuda, types
 
 from ..ptx import SIMULATOR
 from ..ptx.half2 import float2_to_half2
-from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
-    ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
+from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor
+from ..ptx.wgmma import ROW_BYTES, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
+    wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
 from . import PAGE_SIZE
+from .call_free import divide
 
-KEY_TILE = 32  # keys per pipeline stage: two pages, four n tiles of S
-STAGES = 2  # (K, V) tiles in shared memory; a third would not fit the 48 KiB of static shared memory
+KEY_TILE = 64  # keys per pipeline stage: four pages, one m64n64 wgmma a 16-dim k step
+STAGES = 2  # (K, V) tiles in shared memory: 67 KiB at head_dim 128
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head
 # Keys per segment: each row's softmax state restarts at every multiple of this and is folded into
-# the running state in segment order (kernels/attention_prefill.py's docstring). 16 key tiles: a
-# fold adds ~360 PTX instructions once a segment to a tile loop of ~510 (dev/ptx_loop_mix.py), and
-# a 22-row chunk over 4006 cached keys has 8 segments, so 64 blocks instead of 8.
+# the running state in segment order (kernels/attention_prefill.py's docstring). Chosen on the
+# mma.sync kernel before this one: a fold added ~360 PTX instructions once a segment to a tile loop
+# of ~510 at 32 keys a tile (dev/ptx_loop_mix.py), and a 22-row chunk over 4006 cached keys has 8
+# segments, so 64 blocks instead of 8.
 SEGMENT_KEYS = 512
 SPLIT_ROWS = 128  # chunks of at most this many rows (M_cap) run each segment in a block of its own
 MERGE_PARTS = 4  # blocks of the merge per (row block, kv head): each folds a quarter of the O accumulators
-# Registers per thread, so that two 7-warp blocks (7B, query tile 16) fit an SM. Registers are
-# split between the SM's four schedulers, 16384 each, and 14 warps put 4 on some of them: 4 x 32 x
-# 128 = 16384. At 144 (no spills) only one block fitted, and the kernel ran latency-bound at 7 warps
-# a SM; at 128 ptxas spills 72-80 bytes, and a 32000-token prompt's attention took 36.9 ms a layer
-# against 48.3 (1.7% slower at 2048 tokens: docs/PERFORMANCE.md, "Prefill, 2026-12-03 evening").
-REGISTER_CAP = 128
+# Registers per thread: one 8-warp block a SM, nothing spilled (205 / 207 at 7B). At 128, two
+# blocks a SM, the 64-key tile spilled 376 bytes and was the slowest setting measured; at 255 it
+# took 31-57% less time than the mma.sync kernel at two blocks a SM (docs/PERFORMANCE.md,
+# "Prefill attention on wgmma, measured").
+REGISTER_CAP = 255
 JIT_OPTIONS = {} if SIMULATOR else {"max_registers": REGISTER_CAP}  # the simulator takes no such option
 U = np.uint32  # unsigned index arithmetic: no negative-index checks
+WARPS_PER_GROUP = WARPGROUP // 32
 
 
 def state_values(head_dim: int) -> int:
@@ -49,13 +52,16 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     computes each segment in a block of its own, then folds them (module docstring)."""
     GROUP = num_heads // num_kv_heads  # query heads per KV head
     ROW_TILES = query_tile // 16  # 16-row mma tiles of positions per block
-    WARPS = GROUP * ROW_TILES
+    REAL_WARPS = GROUP * ROW_TILES
+    WARPS = -(-REAL_WARPS // WARPS_PER_GROUP) * WARPS_PER_GROUP  # whole warpgroups: padding warps
     THREADS = 32 * WARPS
     QUERY_ROWS = query_tile
     ROW_WORDS = head_dim // 2  # one K/V row in global memory, as half2 words
-    SMEM_ROW_WORDS = ROW_WORDS + 4  # padded row: ldmatrix's 8 row addresses hit 8 bank groups
-    TILE_WORDS = KEY_TILE * SMEM_ROW_WORDS
-    RING_WORDS = STAGES * TILE_WORDS
+    V_ROW_WORDS = ROW_WORDS + 4  # padded V row: ldmatrix's 8 row addresses hit 8 bank groups
+    K_TILE_WORDS = KEY_TILE * ROW_WORDS  # swizzled, unpadded: 64-wide slabs of KEY_TILE 128-byte rows
+    SLAB_WORDS = KEY_TILE * ROW_BYTES // 4
+    V_TILE_WORDS = KEY_TILE * V_ROW_WORDS
+    RINGS_WORDS = STAGES * (K_TILE_WORDS + V_TILE_WORDS)
     ROW_CHUNKS = head_dim // 8  # 16-byte copies per row
     TILE_CHUNKS = KEY_TILE * ROW_CHUNKS
     SLOT_WORDS = ROW_WORDS
@@ -88,23 +94,26 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         return m, start, first_row, last_key, last_key // U(KEY_TILE) + U(1)
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(k_words, v_words, page_table, k_ring, v_ring, stage, first_key, last_key, kv_head):
-        """Issue this thread's cp.async share of keys first_key..+KEY_TILE-1 (K and V) into `stage`;
-        keys past last_key are zero-filled and not read."""
+    def load_tile(k_words, v_words, page_table, smem, k_ring, v_ring, stage, first_key, last_key, kv_head):
+        """Issue this thread's cp.async share of keys first_key..+KEY_TILE-1 into `stage`: K chunk c
+        of row r at chunk position c ^ (r % 8) of its slab's 128-byte row, V padded. Keys past
+        last_key are zero-filled and not read."""
         for i in range(-(-TILE_CHUNKS // THREADS)):
             c = U(cuda.threadIdx.x) + U(i * THREADS)
             if TILE_CHUNKS % THREADS == 0 or c < TILE_CHUNKS:
                 row, chunk = c // U(ROW_CHUNKS), c % U(ROW_CHUNKS)
                 key = first_key + row
-                dst = stage * U(TILE_WORDS) + row * U(SMEM_ROW_WORDS) + chunk * U(4)
+                k_dst = (k_ring + stage * U(K_TILE_WORDS) + (chunk // U(8)) * U(SLAB_WORDS) + row * U(32)
+                         + U(4) * ((chunk % U(8)) ^ (row % U(8))))
+                v_dst = v_ring + stage * U(V_TILE_WORDS) + row * U(V_ROW_WORDS) + chunk * U(4)
                 src, size = U(0), U(0)
                 if key <= last_key:
                     page = U(page_table[key // U(PAGE_SIZE)])
                     src = page * U(PAGE_WORDS) + kv_head * U(KV_HEAD_WORDS) + (key % U(PAGE_SIZE)) * U(SLOT_WORDS) \
                         + chunk * U(4)
                     size = U(16)
-                cp_async_16(k_ring, dst, k_words, src, size)
-                cp_async_16(v_ring, dst, v_words, src, size)
+                cp_async_16(smem, k_dst, k_words, src, size)
+                cp_async_16(smem, v_dst, v_words, src, size)
 
     @cuda.jit(device=True, inline="always")
     def load_q(q, m, warp_row, head, gid, tid, q_frag):
@@ -130,21 +139,21 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         state[MAX_LO], state[MAX_HI] = NEG_INF, NEG_INF
 
     @cuda.jit(device=True, inline="always")
-    def attend_tile(k_ring, v_ring, base, first_key, warp_position, lane, gid, tid, q_frag, s, state):
-        """Add the key tile at `base` of the ring (keys first_key..+31) into this lane's state."""
-        # S = Q K^T. Lane 8i + r points at key row 8j + r, dims 32 kk2 + 8i: matrices 0, 1 are
-        # b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
-        for j in range(KEY_NTILES):
-            c0, c1, c2, c3 = ZERO, ZERO, ZERO, ZERO
-            for kk2 in range(DIM_STEPS // 2):
-                b0, b1, b2, b3 = ldmatrix_x4(k_ring, base + (U(8 * j) + lane % U(8)) * U(SMEM_ROW_WORDS)
-                                             + U(16 * kk2) + U(4) * (lane // U(8)))
-                a = 8 * kk2
-                c0, c1, c2, c3 = mma_m16n8k16(q_frag[a], q_frag[a + 1], q_frag[a + 2], q_frag[a + 3],
-                                              b0, b1, c0, c1, c2, c3)
-                c0, c1, c2, c3 = mma_m16n8k16(q_frag[a + 4], q_frag[a + 5], q_frag[a + 6], q_frag[a + 7],
-                                              b2, b3, c0, c1, c2, c3)
-            s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3] = c0, c1, c2, c3
+    def attend_tile(smem, k_stage, v_stage, first_key, warp_position, lane, gid, tid, q_frag, s, state, real):
+        """Add the key tile (keys first_key..+KEY_TILE-1; K at k_stage, V at v_stage of `smem`) into
+        this lane's state. Every warp of the block calls it (the wgmma is its warpgroup's)."""
+        # S = Q K^T: the warpgroup's 64 rows (its warps' Q fragments) against the tile's keys,
+        # one wgmma a 16-dim k step, the result in mma.sync's D layout (ptx/wgmma.py).
+        for i in range(S_REGISTERS):
+            s[i] = ZERO
+        wgmma_fence()
+        for kk in range(DIM_STEPS):
+            wgmma_f16(s, KEY_TILE, q_frag[4 * kk], q_frag[4 * kk + 1], q_frag[4 * kk + 2], q_frag[4 * kk + 3],
+                      smem, k_stage + U((kk // 4) * SLAB_WORDS + 8 * (kk % 4)))
+        wgmma_commit_group()
+        wgmma_wait_group(0)
+        if not real:
+            return
 
         if first_key + U(KEY_TILE - 1) > warp_position:  # the tile reaches past some row's position
             for j in range(KEY_NTILES):
@@ -194,7 +203,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             a3 = float2_to_half2(s[p + 6], s[p + 7])
             for jp in range(DIM_NTILES // 2):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(
-                    v_ring, base + (U(16 * ks) + U(8) * ((lane // U(8)) % U(2)) + lane % U(8)) * U(SMEM_ROW_WORDS)
+                    smem, v_stage + (U(16 * ks) + U(8) * ((lane // U(8)) % U(2)) + lane % U(8)) * U(V_ROW_WORDS)
                     + U(8 * jp) + U(4) * (lane // U(16)))
                 o = 8 * jp
                 state[o], state[o + 1], state[o + 2], state[o + 3] = mma_m16n8k16(
@@ -232,8 +241,8 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         running[run_at + U(32 * MAX_HI)] = both_hi
 
     @cuda.jit(device=True, inline="always")
-    def walk_tiles(k_words, v_words, page_table, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
-                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at):
+    def walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
+                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at, real):
         """Tiles first_tile..end_tile - 1 into `state` through the two-stage ring (tile first_tile
         already issued). Each segment that ends before end_tile is folded into `running` (shared
         memory; this lane's value v at run_at + 32 v) and `state` restarts; a range within one
@@ -241,20 +250,22 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         for kt in range(first_tile, end_tile):
             stage = kt % U(STAGES)
             cp_async_wait_group(0)
+            fence_proxy_async_shared()  # this thread's copies of tile kt, visible to the tensor cores
             # Tile kt is visible to every thread, and every warp is done with tile kt - 1, whose
             # stage is refilled next.
             cuda.syncthreads()
             if kt + U(1) < end_tile:
-                load_tile(k_words, v_words, page_table, k_ring, v_ring, (kt + U(1)) % U(STAGES),
+                load_tile(k_words, v_words, page_table, smem, k_ring, v_ring, (kt + U(1)) % U(STAGES),
                           (kt + U(1)) * U(KEY_TILE), last_key, kv_head)
             cp_async_commit_group()
-            first_key = kt * U(KEY_TILE)
-            # A tile wholly in the future of every row of this warp would add nothing: skipped.
-            if first_key <= warp_position + U(15):
-                attend_tile(k_ring, v_ring, stage * U(TILE_WORDS), first_key, warp_position, lane, gid, tid, q_frag,
-                            s, state)
+            # Every tile up to the block's last key: for a warp whose rows all precede it, every
+            # weight is exp2(-inf) = 0 and every scale 1 (0 on an empty state), so its state keeps
+            # its bits; skipping it per warp would split a warpgroup's wgmma.
+            attend_tile(smem, k_ring + stage * U(K_TILE_WORDS), v_ring + stage * U(V_TILE_WORDS), kt * U(KEY_TILE),
+                        warp_position, lane, gid, tid, q_frag, s, state, real)
             if (kt + U(1)) % U(SEGMENT_TILES) == U(0) and kt + U(1) < end_tile:
-                fold_into_shared(running, run_at, state)
+                if real:
+                    fold_into_shared(running, run_at, state)
                 reset(state)
         cp_async_wait_group(0)  # the last (empty) group: nothing of this block is left in flight
 
@@ -268,7 +279,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         for half in range(2):
             row = warp_row + gid + U(8 * half)
             if row < m:
-                inverse = ONE / (sum_lo if half == 0 else sum_hi)
+                inverse = divide(ONE, sum_lo if half == 0 else sum_hi)  # no call: kernels/call_free.py
                 at = row * U(OUT_ROW_WORDS) + head * U(ROW_WORDS) + tid
                 for jj in range(parts):
                     j = part * U(parts) + U(jj)
@@ -276,46 +287,61 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
                                                                acc[4 * jj + 2 * half + 1] * inverse)
 
     @cuda.jit(device=True, inline="always")
+    def rings(smem):
+        """(K ring, V ring) word offsets in the dynamic shared memory: the K ring at its first
+        1024-byte boundary (the swizzle's atom), the V ring after it."""
+        k_ring = (U(SWIZZLE_ATOM_BYTES) - shared_byte_address(smem, U(0)) % U(SWIZZLE_ATOM_BYTES)) \
+            % U(SWIZZLE_ATOM_BYTES) // U(4)
+        return k_ring, k_ring + U(STAGES * K_TILE_WORDS)
+
+    @cuda.jit(device=True, inline="always")
     def lane_rows(first_row, start):
-        """(warp, lane, gid, tid, head, warp_row, warp_position) of this thread in block (., kv head)."""
+        """(warp, lane, gid, tid, head, warp_row, warp_position, real) of this thread in block (., kv
+        head); a padding warp (not real) takes the rows of warp 0."""
         warp, lane = U(cuda.threadIdx.x) // U(32), U(cuda.threadIdx.x) % U(32)
-        head = U(cuda.blockIdx.y) * U(GROUP) + warp % U(GROUP)
-        warp_row = first_row + U(16) * (warp // U(GROUP))  # this warp's 16 rows start here
-        return warp, lane, lane // U(4), lane % U(4), head, warp_row, start + warp_row
+        real = warp < U(REAL_WARPS)
+        source = warp if real else U(0)
+        head = U(cuda.blockIdx.y) * U(GROUP) + source % U(GROUP)
+        warp_row = first_row + U(16) * (source // U(GROUP))  # this warp's 16 rows start here
+        return warp, lane, lane // U(4), lane % U(4), head, warp_row, start + warp_row, real
 
     @cuda.jit(device=True, inline="always")
     def record_at(segment, warp, lane):
-        """This lane's value 0 in the split kernel's record of (row block, kv head, segment, warp)."""
+        """This lane's value 0 in the split kernel's record of (row block, kv head, segment, warp);
+        padding warps have none."""
         block = U(cuda.blockIdx.x) * U(num_kv_heads) + U(cuda.blockIdx.y)
-        return (U(block * U(MAX_SEGMENTS) + segment) * U(WARPS) + warp) * U(STATE * 32) + lane
+        return (U(block * U(MAX_SEGMENTS) + segment) * U(REAL_WARPS) + warp) * U(STATE * 32) + lane
 
     @cuda.jit(**JIT_OPTIONS)
     def prefill_attention(q, k_words, v_words, page_table, start_position, row_count, out_words):
         """Every segment of the block's keys in turn, folded into a running state in shared memory."""
-        k_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
-        v_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
-        running = cuda.shared.array(0, types.float32)  # dynamic: WARPS x STATE x 32 lanes
+        smem = cuda.shared.array(0, types.uint32)  # dynamic: the rings, then WARPS x STATE x 32 floats
+        running = cuda.shared.array(0, types.float32)  # the same memory
+        k_ring, v_ring = rings(smem)
         m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
         if first_row >= m:
             return
         kv_head = U(cuda.blockIdx.y)
-        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
-        load_tile(k_words, v_words, page_table, k_ring, v_ring, U(0), U(0), last_key, kv_head)
+        warp, lane, gid, tid, head, warp_row, warp_position, real = lane_rows(first_row, start)
+        load_tile(k_words, v_words, page_table, smem, k_ring, v_ring, U(0), U(0), last_key, kv_head)
         cp_async_commit_group()
         q_frag = cuda.local.array(Q_REGISTERS, types.uint32)
         load_q(q, m, warp_row, head, gid, tid, q_frag)
         state = cuda.local.array(STATE, types.float32)  # the segment's: O (c0, c1 row gid; c2, c3 row gid + 8), ...
         reset(state)
         s = cuda.local.array(S_REGISTERS, types.float32)
-        run_at = warp * U(STATE * 32) + lane
+        run_at = k_ring + U(RINGS_WORDS) + warp * U(STATE * 32) + lane
         # A block of one segment folds it into the empty state only: fold(empty, S) = S + 0 (a = exp2(-inf)
-        # = 0, b = exp2(0) = 1), so it skips the running state (5 of 51 us a layer at 512 tokens).
+        # = 0, b = exp2(0) = 1), so it skips the running state (5 of 51 us a layer at 512 tokens, measured
+        # on the mma.sync kernel before this one).
         single = key_tiles <= U(SEGMENT_TILES)
-        if not single:
+        if not single and real:
             for v in range(STATE):
                 running[run_at + U(32 * v)] = NEG_INF if v >= MAX_LO else ZERO
-        walk_tiles(k_words, v_words, page_table, k_ring, v_ring, U(0), key_tiles, last_key, kv_head, warp_position,
-                   lane, gid, tid, q_frag, s, state, running, run_at)
+        walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, U(0), key_tiles, last_key, kv_head,
+                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at, real)
+        if not real:
+            return
         if single:
             for i in range(O_REGISTERS):
                 state[i] = state[i] + ZERO
@@ -335,9 +361,9 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     @cuda.jit(**JIT_OPTIONS)
     def prefill_attention_split(q, k_words, v_words, page_table, start_position, row_count, records):
         """Block (x, kv head, segment): that segment's keys only; its state goes to `records`."""
-        k_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
-        v_ring = cuda.shared.array(RING_WORDS, types.uint32, alignment=SHARED_ALIGNMENT)
+        smem = cuda.shared.array(0, types.uint32)  # dynamic: the rings
         unused = cuda.shared.array(1, types.float32)  # walk_tiles' running state: one segment never folds
+        k_ring, v_ring = rings(smem)
         m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
         segment = U(cuda.blockIdx.z)
         first_tile = segment * U(SEGMENT_TILES)
@@ -345,8 +371,8 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             return
         end_tile = min(first_tile + U(SEGMENT_TILES), key_tiles)
         kv_head = U(cuda.blockIdx.y)
-        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
-        load_tile(k_words, v_words, page_table, k_ring, v_ring, first_tile % U(STAGES), first_tile * U(KEY_TILE),
+        warp, lane, gid, tid, head, warp_row, warp_position, real = lane_rows(first_row, start)
+        load_tile(k_words, v_words, page_table, smem, k_ring, v_ring, first_tile % U(STAGES), first_tile * U(KEY_TILE),
                   last_key, kv_head)
         cp_async_commit_group()
         q_frag = cuda.local.array(Q_REGISTERS, types.uint32)
@@ -354,8 +380,10 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         state = cuda.local.array(STATE, types.float32)
         reset(state)
         s = cuda.local.array(S_REGISTERS, types.float32)
-        walk_tiles(k_words, v_words, page_table, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
-                   warp_position, lane, gid, tid, q_frag, s, state, unused, U(0))
+        walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
+                   warp_position, lane, gid, tid, q_frag, s, state, unused, U(0), real)
+        if not real:
+            return
         at = record_at(segment, warp, lane)
         for v in range(STATE):
             records[at + U(32 * v)] = state[v]
@@ -367,7 +395,9 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         m, start, first_row, last_key, key_tiles = block_rows(row_count, start_position)
         if first_row >= m:
             return
-        warp, lane, gid, tid, head, warp_row, warp_position = lane_rows(first_row, start)
+        warp, lane, gid, tid, head, warp_row, warp_position, real = lane_rows(first_row, start)
+        if not real:
+            return
         part = U(cuda.blockIdx.z)
         first_value = part * U(PART_VALUES)
         acc = cuda.local.array(PART_VALUES, types.float32)

@@ -217,7 +217,7 @@ def wgmma_f16(typingctx, acc, n, a0, a1, a2, a3, tile, index):
 
     `wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16`, asynchronous: the accumulators are
     valid only after wgmma_commit_group() and wgmma_wait_group(). n is a compile-time constant,
-    a multiple of 8 up to MAX_N (the GEMM issues SHAPES_N; dev/attention_prefill_wgmma.py 32).
+    a multiple of 8 up to MAX_N (the GEMM issues SHAPES_N, prefill attention 64).
     """
     if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(n, types.IntegerLiteral)
             and all(isinstance(a, types.Integer) for a in (a0, a1, a2, a3))
