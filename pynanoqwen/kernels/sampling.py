@@ -17,8 +17,9 @@ Methods (`method_for` picks one per generation; each is the tail of its own grap
   Gumbel-max trick, an exact sample of softmax(logits / T) over the whole vocabulary.
 - "candidates" (top-k and/or top-p): `candidates_partial` splits the vocabulary into LISTS slices
   (a power of two; 128 slices of 1188 logits at vocab 152064), one block of 1024 threads each,
-  which sorts its slice in shared memory (bitonic sort of 2048 (logit, id) pairs, best first)
-  and keeps its top CANDIDATES = 256, plus the slice's max and sum of exp((logit - max) / T).
+  which sorts its slice (bitonic sort of 2048 (logit, id) pairs, best first: two a thread in
+  registers, the stages of strides below 64 by warp shuffles, the other 15 of 66 through shared
+  memory) and keeps its top CANDIDATES = 256, plus the slice's max and sum of exp((logit - max) / T).
   `candidates_merge` (LISTS / 16 blocks) loads 16 lists into shared memory and merges them pairwise
   (keep the better of A[i] and B[255 - i], which is a bitonic sequence holding the top 256 of
   both, then a bitonic merge) in log2(16) rounds, to the top 256 of its 16 slices in order;
