@@ -22,7 +22,8 @@ Methods (`method_for` picks one per generation; each is the tail of its own grap
   memory) and keeps its top CANDIDATES = 256, plus the slice's max and sum of exp((logit - max) / T).
   `candidates_merge` (LISTS / 16 blocks) loads 16 lists into shared memory and merges them pairwise
   (keep the better of A[i] and B[255 - i], which is a bitonic sequence holding the top 256 of
-  both, then a bitonic merge) in log2(16) rounds, to the top 256 of its 16 slices in order;
+  both, then a bitonic merge, its half strides below 64 by shuffles as in the sort) in log2(16)
+  rounds, to the top 256 of its 16 slices in order;
   `candidates_select`, one block, merges those 8 lists the same way, to the exact top 256 of the
   vocabulary. Then, as transformers does and as pynanoqwen.sampling.sample defines it: softmax at
   temperature T, keep the top k, keep the fewest whose probability reaches top_p, draw one by

@@ -35,6 +35,7 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
     candidate_shift = candidates.bit_length() - 1  # candidates = 1 << candidate_shift
     group, groups = merge_groups_of(lists)
     group_pairs, top_pairs = group * candidates, groups * candidates  # shared-array sizes: constants
+    register_halves = WARP_PAIRS_SHIFT if candidates >= 1 << WARP_PAIRS_SHIFT else 0
 
     @cuda.jit(device=True, inline="always")
     def lane_stage(value, index, lane_mask, keep_better):
@@ -85,8 +86,10 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
         (value, index) pairs, held one after another in `values`/`indices` (shared memory), until
         list 0 holds the top `candidates` of all, in order. Round `width`: list a = 2 * width *
         pair absorbs list a + width: max(A[e], B[last - e]) holds the top of A and B as a bitonic
-        sequence, which log2(candidates) half-cleaner stages put in order. Widths and halves are
-        powers of two held as shifts (no run-time division)."""
+        sequence, which log2(candidates) half-cleaner stages put in order: those of half strides
+        64 and more through shared memory, the rest in registers and shuffles (a warp's 64 pairs
+        lie in one list when candidates >= 64; smaller lists, the simulator's, take shared memory
+        throughout). Widths and halves are powers of two held as shifts (no run-time division)."""
 
         @cuda.jit(device=True, inline="always")
         def merge(values, indices):
@@ -104,7 +107,7 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
                         indices[a] = indices[b]
                 cuda.syncthreads()
                 half_shift = candidate_shift - 1
-                while half_shift >= 0:
+                while half_shift >= register_halves:
                     for t in range(tid, pairs * (candidates // 2), threads):
                         e = t % (candidates // 2)
                         i = ((t // (candidates // 2)) * 2 * width * candidates + ((e >> half_shift) << (half_shift + 1))
@@ -112,6 +115,20 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
                         order_pair(values, indices, i, i + (1 << half_shift), True)
                     cuda.syncthreads()
                     half_shift -= 1
+                if register_halves:  # the half strides below 64: two pairs a thread, as bitonic_sort
+                    for t in range(tid, pairs * (candidates // 2), threads):
+                        at = (t // (candidates // 2)) * 2 * width * candidates + 2 * (t % (candidates // 2))
+                        v0, i0, v1, i1 = values[at], indices[at], values[at + 1], indices[at + 1]
+                        half_shift = register_halves - 1
+                        while half_shift >= 1:
+                            lower = (t >> (half_shift - 1)) & 1 == 0
+                            v0, i0 = lane_stage(v0, i0, 1 << (half_shift - 1), lower)
+                            v1, i1 = lane_stage(v1, i1, 1 << (half_shift - 1), lower)
+                            half_shift -= 1
+                        if better(v0, i0, v1, i1):
+                            v0, i0, v1, i1 = v1, i1, v0, i0
+                        values[at], indices[at], values[at + 1], indices[at + 1] = v0, i0, v1, i1
+                    cuda.syncthreads()
                 width_shift += 1
 
         return merge

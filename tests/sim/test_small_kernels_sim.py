@@ -171,12 +171,14 @@ def test_each_slice_is_sorted_whole_by_the_partial_kernel():
 # 300: 8 lists, merged by one candidates_merge block; 4096: 64 lists, 4 merge blocks of 16, whose
 # 4 lists candidates_select merges. Sorts of 64 pairs run in one warp's registers; of 256, the
 # strides of 64 and 128 go through shared memory (as 7 of 11 sizes do at the GPU's 2048).
-@pytest.mark.parametrize("vocab, top_k, top_p, sort_size", [(300, 5, 1.0, 64), (300, 0, 0.6, 64), (300, 12, 0.8, 64),
-                                                            (300, 40, 0.95, 64), (4096, 0, 0.9, 64),
-                                                            (4096, 10, 1.0, 64), (4096, 0, 0.9, 256)])
-def test_candidate_sampling_matches_the_inverse_cdf_oracle(vocab, top_k, top_p, sort_size):
+# Lists of 64 candidates (2100 at sort size 64: 64 lists, 4 merge blocks) merge their half
+# strides below 64 in registers, as the GPU's 256 do.
+@pytest.mark.parametrize("vocab, top_k, top_p, sort_size, candidates", [
+    (300, 5, 1.0, 64, 16), (300, 0, 0.6, 64, 16), (300, 12, 0.8, 64, 16), (300, 40, 0.95, 64, 16),
+    (4096, 0, 0.9, 64, 16), (4096, 10, 1.0, 64, 16), (4096, 0, 0.9, 256, 16), (2100, 0, 0.9, 64, 64)])
+def test_candidate_sampling_matches_the_inverse_cdf_oracle(vocab, top_k, top_p, sort_size, candidates):
     rng = np.random.default_rng()
-    sampler = Sampler(vocab, **{**SMALL, "sort_size": sort_size})
+    sampler = Sampler(vocab, **{**SMALL, "sort_size": sort_size, "candidates": candidates})
     logits = random_logits(rng, vocab)
     params = SamplingParams(temperature=float(rng.uniform(0.5, 1.5)), top_k=top_k, top_p=top_p,
                             seed=int(rng.integers(0, 2**63)))
@@ -184,18 +186,19 @@ def test_candidate_sampling_matches_the_inverse_cdf_oracle(vocab, top_k, top_p, 
     got = sample_on_device(sampler, "candidates", logits, params, position)
     # Merge block b leaves the exact top `candidates` (larger logit, then lower id) of its group's
     # slices of the vocabulary in its list, in order.
-    c = SMALL["candidates"]
+    c = candidates
     group_logits = -(-vocab // sampler.lists) * (sampler.lists // sampler.merge_blocks)
     merged_values, merged_indices = sampler.merged_values.copy_to_host(), sampler.merged_indices.copy_to_host()
-    assert sampler.merge_blocks == max(1, -(-vocab // sort_size) // 16)
+    lists = 1 << (-(-vocab // sort_size) - 1).bit_length()  # slices, rounded up to a power of two
+    assert sampler.lists == lists and sampler.merge_blocks == max(1, lists // 16)
     for b in range(sampler.merge_blocks):
         ids = np.arange(b * group_logits, min(vocab, (b + 1) * group_logits))
         order = ids[np.argsort(-logits[ids], kind="stable")[:c]]
         np.testing.assert_array_equal(merged_indices[b * c:(b + 1) * c], order)
         np.testing.assert_array_equal(merged_values[b * c:(b + 1) * c], logits[order])
     expected, margin = expected_candidate_draw(logits, params, uniform_reference(params.seed, position, vocab),
-                                               SMALL["candidates"])
+                                               candidates)
     if margin > 1e-5:  # float32 vs float64 can only disagree at a boundary of the CDF or the nucleus
         assert got == expected
     else:
-        assert got in np.argsort(-logits, kind="stable")[:SMALL["candidates"]]
+        assert got in np.argsort(-logits, kind="stable")[:candidates]
