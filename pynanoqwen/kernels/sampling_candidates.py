@@ -191,7 +191,6 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
         top_values = cuda.shared.array(top_pairs, float32)
         top_indices = cuda.shared.array(top_pairs, int32)
         cdf = cuda.shared.array(candidates, float32)
-        scan = cuda.shared.array(candidates, float32)
         warp_totals = cuda.shared.array(32, float32)
         kept = cuda.shared.array(1, int32)
         tid = cuda.threadIdx.x
@@ -214,22 +213,32 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
             part += slice_sum[s] * math.exp((slice_max[s] - best) * inv_temperature)
         z_vocab = block_sum(part, warp_totals, warps)
 
-        # 3. Unnormalised probabilities of the first k candidates and their running sum
-        #    (Hillis-Steele scan: log2(candidates) rounds of "add the value `offset` places back").
+        # 3. Unnormalised probabilities of the first k candidates and their running sum, `threads`
+        #    at a time: each warp scans its 32 by shuffles (a lane adds the totals of the lane
+        #    groups below it, level by level), then adds the totals of the warps and chunks before.
         k = top_k[0]
         k = valid if k == 0 or k > valid else k
-        for t in range(tid, candidates, threads):
-            cdf[t] = math.exp((top_values[t] - best) * inv_temperature) if t < k else float32(0.0)
-        cuda.syncthreads()
-        offset = 1
-        while offset < candidates:
-            for t in range(tid, candidates, threads):
-                scan[t] = cdf[t] + cdf[t - offset] if t >= offset else cdf[t]
+        lane = tid % 32
+        carry = float32(0.0)
+        for base in range(0, candidates, threads):
+            t = base + tid
+            prefix = math.exp((top_values[t] - best) * inv_temperature) if t < k else float32(0.0)
+            total = prefix
+            for level in (1, 2, 4, 8, 16):
+                other = shfl_xor(total, level)
+                if lane & level:
+                    prefix += other
+                total += other
+            if lane == 31:
+                warp_totals[tid // 32] = total
             cuda.syncthreads()
-            for t in range(tid, candidates, threads):
-                cdf[t] = scan[t]
-            cuda.syncthreads()
-            offset *= 2
+            for w in range(tid // 32):
+                prefix += warp_totals[w]
+            if t < candidates:
+                cdf[t] = carry + prefix
+            for w in range(warps):
+                carry += warp_totals[w]
+            cuda.syncthreads()  # every warp has read warp_totals before the next chunk writes it
 
         # 4. The nucleus: candidate t stays while the mass before it is below top_p of the total
         #    (the whole vocabulary's, or the top k's when top_k is set, as transformers does).

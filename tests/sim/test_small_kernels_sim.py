@@ -149,13 +149,15 @@ def expected_candidate_draw(logits, params, u, candidates):
 def test_each_slice_is_sorted_whole_by_the_partial_kernel():
     """candidates_partial at candidates = sort_size = 256: each list is its whole slice in order
     (larger logit, then lower id), the padding after it; its strides of 64 and 128 go through
-    shared memory, the rest through shuffles. Ties included: 20 logits share one value."""
+    shared memory, the rest through shuffles. Ties included: 20 logits share one value. Then the
+    draw among 256 candidates, whose running sum spans 4 warps and two chunks of 128 threads."""
     rng = np.random.default_rng()
     vocab, sort_size = 1900, 256
     sampler = Sampler(vocab, candidates=sort_size, sort_size=sort_size, argmax_threads=64)
     logits = random_logits(rng, vocab)
     logits[rng.choice(vocab, 20, replace=False)] = logits[0]
-    sample_on_device(sampler, "candidates", logits, SamplingParams(temperature=1.0, top_p=0.9, seed=3), 5)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=int(rng.integers(0, 2**63)))
+    token = sample_on_device(sampler, "candidates", logits, params, 5)
     values, indices = sampler.candidate_values.copy_to_host(), sampler.candidate_indices.copy_to_host()
     chunk = -(-vocab // sampler.lists)
     for slice_ in range(sampler.lists):
@@ -166,6 +168,10 @@ def test_each_slice_is_sorted_whole_by_the_partial_kernel():
         np.testing.assert_array_equal(values[slice_ * sort_size:slice_ * sort_size + len(order)], logits[order])
         assert (got[len(order):] >= vocab).all() and np.isneginf(values[slice_ * sort_size + len(order):
                                                                             (slice_ + 1) * sort_size]).all()
+    # The draw, its running sum over 256 candidates scanned by 4 warps in two chunks of 128.
+    expected, margin = expected_candidate_draw(logits, params, uniform_reference(params.seed, 5, vocab), sort_size)
+    if margin > 1e-5:
+        assert token == expected
 
 
 # 300: 8 lists, merged by one candidates_merge block; 4096: 64 lists, 4 merge blocks of 16, whose
