@@ -48,6 +48,21 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
         return value, index
 
     @cuda.jit(device=True, inline="always")
+    def lane_stages(v0, i0, v1, i1, t, stride_shift, best_first):
+        """The stages of strides 2^stride_shift down to 1 (at most 32) on pairs 2t and 2t + 1,
+        which thread t holds: pair 2t + j meets 2t + j ^ stride in lane ^ stride / 2, and at
+        stride 1 its neighbour in this thread. Returns the four registers."""
+        while stride_shift >= 1:
+            # The lower of a pair keeps the better of the two in a best-first run, the worse otherwise.
+            keep_better = ((t >> (stride_shift - 1)) & 1 == 0) == best_first
+            v0, i0 = lane_stage(v0, i0, 1 << (stride_shift - 1), keep_better)
+            v1, i1 = lane_stage(v1, i1, 1 << (stride_shift - 1), keep_better)
+            stride_shift -= 1
+        if better(v0, i0, v1, i1) == best_first:
+            v0, i0, v1, i1 = v1, i1, v0, i0
+        return v0, i0, v1, i1
+
+    @cuda.jit(device=True, inline="always")
     def bitonic_sort(values, indices):
         """Sort sort_size (value, index) pairs in shared memory, best first (Batcher's network).
         Thread t holds pairs 2t and 2t + 1 in registers, so a warp holds 64 in a row: the stages
@@ -69,14 +84,7 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
                     cuda.syncthreads()
                     stride_shift -= 1
                 v0, i0, v1, i1 = values[2 * t], indices[2 * t], values[2 * t + 1], indices[2 * t + 1]
-            while stride_shift >= 1:  # pair 2t + j meets 2t + j ^ stride, in lane ^ stride / 2
-                lower = (t >> (stride_shift - 1)) & 1 == 0
-                best_first = ((2 * t) >> size_shift) & 1 == 0
-                v0, i0 = lane_stage(v0, i0, 1 << (stride_shift - 1), lower == best_first)
-                v1, i1 = lane_stage(v1, i1, 1 << (stride_shift - 1), lower == best_first)
-                stride_shift -= 1
-            if better(v0, i0, v1, i1) == (((2 * t) >> size_shift) & 1 == 0):  # stride 1: both here
-                v0, i0, v1, i1 = v1, i1, v0, i0
+            v0, i0, v1, i1 = lane_stages(v0, i0, v1, i1, t, stride_shift, ((2 * t) >> size_shift) & 1 == 0)
             size_shift += 1
         values[2 * t], indices[2 * t], values[2 * t + 1], indices[2 * t + 1] = v0, i0, v1, i1
         cuda.syncthreads()
@@ -118,15 +126,8 @@ def candidate_kernels(vocab_size: int, candidates: int, sort_size: int, lists: i
                 if register_halves:  # the half strides below 64: two pairs a thread, as bitonic_sort
                     for t in range(tid, pairs * (candidates // 2), threads):
                         at = (t // (candidates // 2)) * 2 * width * candidates + 2 * (t % (candidates // 2))
-                        v0, i0, v1, i1 = values[at], indices[at], values[at + 1], indices[at + 1]
-                        half_shift = register_halves - 1
-                        while half_shift >= 1:
-                            lower = (t >> (half_shift - 1)) & 1 == 0
-                            v0, i0 = lane_stage(v0, i0, 1 << (half_shift - 1), lower)
-                            v1, i1 = lane_stage(v1, i1, 1 << (half_shift - 1), lower)
-                            half_shift -= 1
-                        if better(v0, i0, v1, i1):
-                            v0, i0, v1, i1 = v1, i1, v0, i0
+                        v0, i0, v1, i1 = lane_stages(values[at], indices[at], values[at + 1], indices[at + 1], t,
+                                                     register_halves - 1, True)
                         values[at], indices[at], values[at + 1], indices[at + 1] = v0, i0, v1, i1
                     cuda.syncthreads()
                 width_shift += 1
