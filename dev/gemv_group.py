@@ -85,6 +85,7 @@ from pynanoqwen.kernels.gemv_int4_paths import (FIXED_MAX, INVERSE_FIXED_MAX, NI
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
 from pynanoqwen.ptx.bits import bits_float, float_bits  # noqa: E402
 from pynanoqwen.ptx.dp4a import dp4a_uu, dp4a_us  # noqa: E402
+from pynanoqwen.ptx.fma import fma  # noqa: E402
 from pynanoqwen.ptx.griddep import grid_dependency_wait, launch_dependents  # noqa: E402
 from pynanoqwen.ptx.half2 import half2_to_float2  # noqa: E402
 from pynanoqwen.ptx.loads import ld_global_nc_v4_u32  # noqa: E402
@@ -196,8 +197,8 @@ def rope_writer(num_heads: int, num_kv_heads: int, head_dim: int):
         slot = U(p % U(PAGE_SIZE))
         if first < v_start:
             c, sn = rope_cos[p, d], rope_sin[p, d]
-            y1 = cuda.fma(x1, c, -(x2 * sn))
-            y2 = cuda.fma(x2, c, x1 * sn)
+            y1 = fma(x1, c, -(x2 * sn))
+            y2 = fma(x2, c, x1 * sn)
             if first < k_start:
                 q_out[first] = y1
                 q_out[U(first + half)] = y2
@@ -308,7 +309,7 @@ def build(n: int, k: int, grid: int, setting: Setting, norm_eps: float | None = 
         x_scale = bits_float(xs[U(record + U(SCALE_WORD))])
         for p in range(lines):
             dot = int32(highs[p] * int32(256) + lows[p])
-            acc[p] = cuda.fma(float32(dot), float32(scl[p]) * x_scale, acc[p])
+            acc[p] = fma(float32(dot), float32(scl[p]) * x_scale, acc[p])
 
     @cuda.jit(device=True, inline="always")
     def compute(warp_id, lane, cursor, step, valid, words, scl, xs, parked, acc, acc_row, out):

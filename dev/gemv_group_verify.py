@@ -85,6 +85,7 @@ from pynanoqwen.config import GROUP_SIZE  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import NIBBLE_BYTES  # noqa: E402
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
 from pynanoqwen.ptx.bits import bits_float  # noqa: E402
+from pynanoqwen.ptx.fma import fma  # noqa: E402
 from pynanoqwen.ptx.griddep import grid_dependency_wait, launch_dependents  # noqa: E402
 from pynanoqwen.ptx.loads import ld_global_nc_v4_u32  # noqa: E402
 from pynanoqwen.ptx.mma import (cp_async_16, cp_async_commit_group, cp_async_wait_group,  # noqa: E402
@@ -288,7 +289,7 @@ def build(n: int, k: int, tokens: int, grid: int, setting: Setting, silu: bool =
             for e in range(4):  # (token g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
                 scale = (w0 if e % 2 == 0 else w1) * (x_scale0 if e < 2 else x_scale1)
                 dot = int32(highs[4 * c + e] * int32(256) + lows[4 * c + e])
-                acc[4 * c + e] = cuda.fma(float32(dot), scale, float32(0) if start else acc[4 * c + e])
+                acc[4 * c + e] = fma(float32(dot), scale, float32(0) if start else acc[4 * c + e])
 
     @cuda.jit(device=True, inline="always")
     def push(stack, leaf, i):

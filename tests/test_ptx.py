@@ -8,8 +8,10 @@ import pytest
 from numba import cuda, uint32
 
 from pynanoqwen import quant
+from pynanoqwen.kernels.gemv_int4_paths import FIXED_MAX, ROUNDER
 from pynanoqwen.ptx.bits import bits_float, bits_float_simulated, float_bits, float_bits_simulated
 from pynanoqwen.ptx.dp4a import dp4a, dp4a_simulated, dp4a_us, dp4a_us_simulated, dp4a_uu, dp4a_uu_simulated
+from pynanoqwen.ptx.fma import fma, fma_simulated
 from pynanoqwen.ptx.half2 import fma_f16x2, fma_f16x2_simulated, half2_to_float2, half2_to_float2_simulated
 from pynanoqwen.ptx.loads import ld_global_nc_v4_u32, ld_global_nc_v4_u32_simulated
 from pynanoqwen.ptx.prmt import prmt, prmt_simulated
@@ -48,6 +50,11 @@ def use_half2(a, out):
     out[i] = lo + hi
 
 
+def use_fma(a, out):
+    i = cuda.grid(1)
+    out[i] = fma(a[i], a[i + 1], a[i + 2])
+
+
 def use_warp(values, out):
     i = cuda.grid(1)
     out[i] = warp_sum(values[i]) + warp_max(values[i]) + shfl_xor(values[i], uint32(3))
@@ -63,6 +70,7 @@ U32, F32 = "uint32[::1]", "float32[::1]"
     (use_dp4a_unsigned, f"void({U32}, int32[::1])", ["dp4a.u32.s32", "dp4a.u32.u32"]),
     (use_bits, f"void({F32}, {F32})", ["mov.b32"] * 2),
     (use_half2, f"void({U32}, {F32})", ["fma.rn.f16x2", "cvt.f32.f16"]),
+    (use_fma, f"void({F32}, {F32})", ["fma.rn.f32"]),
     (use_warp, f"void({F32}, {F32})", ["shfl.sync.bfly.b32"] * 11),
 ])
 def test_primitive_compiles_inline_for_sm90(kernel, signature, instructions):
@@ -137,12 +145,13 @@ def test_bits_twins_reinterpret_float32():
     assert np.array_equal(np.array([bits_float_simulated(w) for w in words], np.float32), values)
 
 
-def _round_to_f16(exact: Fraction) -> np.float16:
-    """Round an exact value to the nearest FP16, ties to even: the neighbours compared by hand."""
-    guess = np.float16(float(exact))
-    candidates = {guess, np.nextafter(guess, np.float16(np.inf)), np.nextafter(guess, np.float16(-np.inf))}
+def _round_to(exact: Fraction, dtype=np.float16):
+    """Round an exact value to the nearest `dtype` value, ties to even: the neighbours compared by hand."""
+    guess = dtype(float(exact))
+    candidates = {guess, np.nextafter(guess, dtype(np.inf)), np.nextafter(guess, dtype(-np.inf))}
     finite = [c for c in candidates if np.isfinite(c)]
-    return min(finite, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.array(c).view(np.uint16)) & 1))
+    bits = np.uint16 if dtype == np.float16 else np.uint32
+    return min(finite, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.array(c).view(bits)) & 1))
 
 
 def test_fma_f16x2_twin_rounds_once():
@@ -151,9 +160,29 @@ def test_fma_f16x2_twin_rounds_once():
     a[:50], b[:50] = np.float16(1 + 2**-10), np.float16(1 - 2**-11)  # products that need a sticky bit
     words = [np.stack([x[0::2], x[1::2]], axis=1).copy().view(np.uint32).ravel() for x in (a, b, c)]
     got = np.array([fma_f16x2_simulated(x, y, z) for x, y, z in zip(*words)], np.uint32).view(np.float16)
-    expected = [_round_to_f16(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+    expected = [_round_to(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
                 for x, y, z in zip(a, b, c)]
     assert got.view(np.uint16).tolist() == np.array(expected, np.float16).view(np.uint16).tolist()
+
+
+def test_fma_twin_rounds_once():
+    """Against the exact value rounded by hand, on random triples and on the fixed16 staging's
+    fma(x, 32767 / max|x|, 1.5 * 2^23), where the simulator's own a * b + c rounds twice: products
+    just above k + 1/2 (at most 2^-10 above, 9 fraction bits left in float32 at 15-bit magnitude)
+    first become k + 1/2 and then the even neighbour. Those cases are built, so the test shows the
+    twin is not the double rounding."""
+    rng = np.random.default_rng()
+    a, b, c = (rng.standard_normal((3, 600)) * rng.choice([1e-3, 1.0, 3e4], size=(3, 600))).astype(np.float32)
+    inverse = np.float32(FIXED_MAX) / np.float32(3.0)  # staging a group whose largest |x| is 3
+    halves = (2 * rng.integers(1, 2**14, 200) + 1) / 2.0  # k + 1/2 below 32767
+    x = ((halves + rng.uniform(2**-14, 2**-10, 200)) / np.float64(inverse)).astype(np.float32)
+    a, b, c = np.concatenate([a, x]), np.concatenate([b, np.full(200, inverse)]), np.concatenate([c, np.full(200, ROUNDER)])
+    expected = np.array([_round_to(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)), np.float32)
+                         for x, y, z in zip(a, b, c)], np.float32)
+    got = np.array([fma_simulated(x, y, z) for x, y, z in zip(a, b, c)], np.float32)
+    assert got.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    twice = a * b + c  # float32 numpy: the simulator's cuda.fma
+    assert np.sum(twice[600:] != expected[600:]) > 10  # the built cases do tell one rounding from two
 
 
 def test_half2_to_float2_twin_takes_low_half_first():

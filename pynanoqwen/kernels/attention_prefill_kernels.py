@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..ptx import SIMULATOR
+from ..ptx.fma import fma
 from ..ptx.half2 import float2_to_half2
 from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor
@@ -222,7 +223,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     def folded(running_value, segment_value, a, b):
         """One accumulator or row sum folded (a, b from fold_scales). Every form computes exactly this
         expression, written once, which is what keeps their bits the same."""
-        return cuda.fma(running_value, a, segment_value * b)
+        return fma(running_value, a, segment_value * b)
 
     @cuda.jit(device=True, inline="always")
     def fold_into_shared(running, run_at, state):

@@ -38,6 +38,7 @@ from numba import cuda, float32
 from numba.cuda import libdevice
 
 from ..ptx import SIMULATOR
+from ..ptx.fma import fma
 
 EXPONENT_CAP = float32(80.0)
 ONE = float32(1.0)
@@ -47,9 +48,9 @@ ONE = float32(1.0)
 def divide(x, y):
     """x / y for float32 x, y (module docstring: within 1/2 ulp + ~2^-44 relative)."""
     r = ONE / y if SIMULATOR else libdevice.fast_fdividef(ONE, y)
-    r = cuda.fma(r, cuda.fma(-y, r, ONE), r)
+    r = fma(r, fma(-y, r, ONE), r)
     q = x * r
-    return cuda.fma(cuda.fma(-y, q, x), r, q)
+    return fma(fma(-y, q, x), r, q)
 
 
 @cuda.jit(device=True, inline="always")

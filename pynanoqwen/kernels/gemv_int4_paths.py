@@ -62,6 +62,7 @@ from numba import cuda, float32, int32, uint32
 from ..config import GROUP_SIZE
 from ..ptx.bits import bits_float, float_bits
 from ..ptx.dp4a import dp4a, dp4a_us, dp4a_uu
+from ..ptx.fma import fma
 from ..ptx.prmt import prmt
 from ..ptx.half2 import float2_to_half2, fma_f16x2, half2_to_float2
 from ..ptx.loads import ld_global_nc_v4_u32
@@ -255,7 +256,7 @@ def fixed16_quad(values, first, inverse):
     dev/gemv_group.py stages its groups with it too."""
     bits = cuda.local.array(8, uint32)
     for e in range(8):
-        bits[e] = float_bits(cuda.fma(values[first + e], inverse, ROUNDER))
+        bits[e] = float_bits(fma(values[first + e], inverse, ROUNDER))
     a0, a1 = prmt(bits[0], bits[1], PAIR_BYTES), prmt(bits[4], bits[5], PAIR_BYTES)
     b0, b1 = prmt(bits[2], bits[3], PAIR_BYTES), prmt(bits[6], bits[7], PAIR_BYTES)
     a_low, a_high = prmt(a0, a1, LOW_BYTES), prmt(a0, a1, HIGH_BYTES)

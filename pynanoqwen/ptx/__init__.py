@@ -10,6 +10,8 @@ which section of the PTX ISA it comes from. One module per instruction family:
     loads.py  ld.global.nc.v4.u32 16-byte read-only load, ld.global.cg (L2 only) (PTX ISA: ld)
     dp4a.py   dp4a four-way byte dot products, signed and unsigned (PTX ISA, Integer Arithmetic: dp4a)
     bits.py   mov.b32 between float32 and integer registers (PTX ISA, Data Movement: mov)
+    fma.py    fma.rn.f32, rounded once (PTX ISA, Floating Point: fma): numba's cuda.fma, whose
+              simulated form rounds twice
     half2.py  fma.rn.f16x2, half2 -> float32 unpack       (PTX ISA, Half Precision: fma; cvt)
     warp.py   shfl.sync.bfly.b32, warp sum / max, bar.warp.sync (PTX ISA: shfl.sync, bar.warp.sync)
     bulk_copy.py, mbarrier.py: the attention kernel's TMA copies (owned by the attention author).
@@ -35,7 +37,7 @@ on. Kernels import the name (`from pynanoqwen.ptx.prmt import prmt`) and never k
 got. Device functions built only from primitives (warp_sum, the GEMV inner step) need no twin: the
 simulator runs their Python source, which calls the simulated primitives.
 
-The twins of prmt, loads, dp4a, bits, half2 and warp are public (`prmt_simulated`, ...) and callable
+The twins of prmt, loads, dp4a, bits, fma, half2 and warp are public (`prmt_simulated`, ...) and callable
 from ordinary Python, which is how tests/test_ptx.py checks them against numpy (quant.prmt) and
 hand-written arithmetic.
 """
