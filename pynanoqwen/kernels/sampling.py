@@ -16,15 +16,15 @@ Methods (`method_for` picks one per generation; each is the tail of its own grap
   top-k / top-p uses the same reduction on logit / T + G with G = -log(-log(U)), U uniform: the
   Gumbel-max trick, an exact sample of softmax(logits / T) over the whole vocabulary.
 - "candidates" (top-k and/or top-p): `candidates_partial` splits the vocabulary into LISTS slices
-  (a power of two; 128 slices of 1188 logits at vocab 152064), one block of 1024 threads each,
-  which sorts its slice (bitonic sort of 2048 (logit, id) pairs, best first: two a thread in
-  registers, the stages of strides below 64 by warp shuffles, the other 15 of 66 through shared
+  (a power of two; 256 slices of 594 logits at vocab 152064), one block of 512 threads each,
+  which sorts its slice (bitonic sort of 1024 (logit, id) pairs, best first: two a thread in
+  registers, the stages of strides below 64 by warp shuffles, the other 10 of 55 through shared
   memory) and keeps its top CANDIDATES = 256, plus the slice's max and sum of exp((logit - max) / T).
   `candidates_merge` (LISTS / 16 blocks) loads 16 lists into shared memory and merges them pairwise
   (keep the better of A[i] and B[255 - i], which is a bitonic sequence holding the top 256 of
   both, then a bitonic merge, its half strides below 64 by shuffles as in the sort) in log2(16)
   rounds, to the top 256 of its 16 slices in order;
-  `candidates_select`, one block, merges those 8 lists the same way, to the exact top 256 of the
+  `candidates_select`, one block, merges those 16 lists the same way, to the exact top 256 of the
   vocabulary. Then, as transformers does and as pynanoqwen.sampling.sample defines it: softmax at
   temperature T, keep the top k, keep the fewest whose probability reaches top_p, draw one by
   inverse CDF. kernels/sampling_candidates.py builds these three; kernels/sampling_device.py
@@ -41,8 +41,10 @@ finaliser. No generator state advances, so a given seed and prompt give the same
 graph and eager mode, and the GPU and CPU samplers agree on the distribution, not the sequence.
 
 Traffic: the logits, 0.6 MB at vocab 152064, read once by each method (the candidate lists,
-256 KiB, stay in L2, and are read once more by candidates_merge). Argmax should take a few us (one block finishes it: latency-bound); bench's
-kernel table measures it, docs/PERFORMANCE.md has the figures.
+512 KiB, stay in L2, and are read once more by candidates_merge). Both methods are latency-bound,
+not traffic-bound: argmax should take a few us (one block finishes it), candidates a chain of
+sorting and merging stages; bench's kernel table times the argmax, docs/PERFORMANCE.md has the
+figures of both.
 
 Device parameters: `sampling` float32 [2] = (1 / temperature, 0 for greedy; top_p),
 `top_k` int32 [1] (0: no limit), `seed` uint64 [1].
@@ -67,7 +69,9 @@ from .sampling_device import NO_ID, better, block_argmax, uniform
 ARGMAX_THREADS = 256
 ARGMAX_ITEMS = 8           # logits per argmax thread: vocab 152064 -> 75 blocks
 CANDIDATES = 256           # logits that top-k / top-p sampling sees, a power of two
-SORT_SIZE = 2048           # (logit, id) pairs one block sorts: 16 KiB of shared memory
+# (logit, id) pairs one block sorts (8 KiB of shared memory). 1024 against 2048 on an H100: 54.3
+# against 59.6 us a sampled token, the same tokens (docs/PERFORMANCE.md, "2026-12-06, evening").
+SORT_SIZE = 1024
 METHODS = ("prompt", "argmax", "candidates")
 
 
