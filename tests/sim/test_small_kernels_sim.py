@@ -175,13 +175,15 @@ def test_each_slice_is_sorted_whole_by_the_partial_kernel():
 
 
 # 300: 8 lists, merged by one candidates_merge block; 4096: 64 lists, 4 merge blocks of 16, whose
-# 4 lists candidates_select merges. Sorts of 64 pairs run in one warp's registers; of 256, the
-# strides of 64 and 128 go through shared memory (as 7 of 11 sizes do at the GPU's 2048).
+# 4 lists candidates_select merges; 16384: 256 lists, 16 merge blocks, 16 lists for the select (the
+# GPU's shape at vocab 152064 and sort size 1024). Sorts of 64 pairs run in one warp's registers;
+# of 256, the strides of 64 and 128 go through shared memory (as 4 of 10 sizes do at the GPU's 1024).
 # Lists of 64 candidates (2100 at sort size 64: 64 lists, 4 merge blocks) merge their half
 # strides below 64 in registers, as the GPU's 256 do.
 @pytest.mark.parametrize("vocab, top_k, top_p, sort_size, candidates", [
     (300, 5, 1.0, 64, 16), (300, 0, 0.6, 64, 16), (300, 12, 0.8, 64, 16), (300, 40, 0.95, 64, 16),
-    (4096, 0, 0.9, 64, 16), (4096, 10, 1.0, 64, 16), (4096, 0, 0.9, 256, 16), (2100, 0, 0.9, 64, 64)])
+    (4096, 0, 0.9, 64, 16), (4096, 10, 1.0, 64, 16), (4096, 0, 0.9, 256, 16), (2100, 0, 0.9, 64, 64),
+    (16384, 0, 0.9, 64, 16)])
 def test_candidate_sampling_matches_the_inverse_cdf_oracle(vocab, top_k, top_p, sort_size, candidates):
     rng = np.random.default_rng()
     sampler = Sampler(vocab, **{**SMALL, "sort_size": sort_size, "candidates": candidates})
