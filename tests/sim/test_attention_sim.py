@@ -83,6 +83,29 @@ def test_one_fence_variant_matches_softmax_reference(num_splits, stages, consume
     matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
 
 
+@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
+def test_swizzled_pages_variant_matches_softmax_reference(num_splits, stages, consumers):
+    """dev/attention_swizzled_pages.py: pages stored with chunk c of row r at c ^ (r % 8), read by
+    the product's copies and XORed ldmatrix addresses (its wrapper swizzles each pool it is given)."""
+    from attention_swizzled_pages import make_swizzled
+
+    matches_softmax_reference(make_swizzled, num_splits, stages, consumers)
+
+
+def test_pages_swizzle_on_the_device_as_in_numpy():
+    """dev/attention_swizzled_pages.py's device swizzle against its numpy one, and the numpy one
+    against the layout's definition: chunk c of key row r at chunk c ^ (r % 8)."""
+    from attention_swizzled_pages import swizzle_pages, swizzle_pages_host
+
+    pages = np.random.default_rng().standard_normal((3, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)).astype(np.float16)
+    host = swizzle_pages_host(pages)
+    np.testing.assert_array_equal(swizzle_pages(cuda.to_device(pages)).copy_to_host(), host)
+    for r in (0, 5, 8, 15):
+        for c in (0, 3, HEAD_DIM // 8 - 1):
+            np.testing.assert_array_equal(host[:, :, r, 8 * (c ^ (r % 8)):8 * (c ^ (r % 8)) + 8],
+                                          pages[:, :, r, 8 * c:8 * c + 8])
+
+
 def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
     attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
