@@ -29,6 +29,7 @@ from cuda.core import LaunchConfig
 from cuda.core import launch as core_launch
 from numba.cuda.cudadrv import driver
 
+from . import kernel_cache
 from .ptx import SIMULATOR
 
 _programmatic = [True]  # plain_launches() turns PDL off for a comparison (bench)
@@ -46,10 +47,14 @@ def plain_launches():
 
 
 def _specialization(dispatcher, args):
-    """numba-cuda's compiled kernel (`_Kernel`) of `dispatcher` for these arguments' types."""
+    """numba-cuda's compiled kernel (`_Kernel`) of `dispatcher` for these arguments' types: from
+    this process, from the disk cache (kernel_cache.py), or compiled now."""
     types = tuple(dispatcher.typeof_pyval(a) for a in args)
     kernel = dispatcher.overloads.get(types)
-    return kernel if kernel is not None else dispatcher.compile(types)
+    if kernel is not None:
+        return kernel
+    kernel_cache.attach(dispatcher)
+    return dispatcher.compile(types)
 
 
 STATIC_SHARED_BYTES = 48 * 1024  # dynamic shared memory beyond this needs the function's limit raised

@@ -17,6 +17,7 @@ import functools
 from numba import cuda, float32
 from numba.core import types
 
+from .. import kernel_cache
 from . import CompileTarget
 
 THREADS = 128
@@ -47,6 +48,7 @@ class EmbeddingRows:
     def launch(self, stream, table, tokens, start, m, h) -> None:
         """table float16 [vocab, hidden], tokens int32 [>= start + m], start, m int32 [1]
         -> h float32 [R, hidden] (R = rows of the bucket, >= m; rows >= m are zeroed)."""
+        kernel_cache.attach(self.kernel)
         self.kernel[(self.grid_x, h.shape[0]), THREADS, stream](table, tokens, start, m, h)
 
 

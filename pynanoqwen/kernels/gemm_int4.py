@@ -84,6 +84,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.core import types
 
+from .. import kernel_cache
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
 from ..device import sm_count
@@ -335,6 +336,7 @@ class GemmTiling:
             and workspace.fits(grid, tiles.block_m, self.n, chunks) and grid[0] * grid[1] < sm_count()
         partials, counters = (workspace.partials, workspace.counters) if split else self._no_workspace
         shared = tiles.dynamic_shared_bytes
+        kernel_cache.attach(kernel)
         if shared > STATIC_SHARED_BYTES:
             allow_dynamic_shared(kernel, out.dtype, shared)
         kernel[grid + ((chunks,) if split else ()), tiles.threads, stream, shared](

@@ -20,6 +20,7 @@ import functools
 from numba import cuda
 from numba.core import types
 
+from .. import kernel_cache
 from . import CompileTarget
 
 THREADS = 128
@@ -48,6 +49,7 @@ class LastRow:
 
     def launch(self, stream, h_rows, start, m, h, pos) -> None:
         """h_rows float32 [>= m, hidden], start, m int32 [1] -> h float32 [hidden], pos int32 [1]."""
+        kernel_cache.attach(self.kernel)
         self.kernel[self.grid, THREADS, stream](h_rows, start, m, h, pos)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from numba import cuda
 from numba.core import types
 
+from .. import kernel_cache
 from . import PAGE_SIZE, CompileTarget
 
 THREADS = 128
@@ -44,6 +45,7 @@ class PageAllocRange:
         """start, m int32 [1] (positions start .. start + m - 1), page_table int32 [max_pages],
         free_pages int32 [max_pages], next_free_page int32 [1] (page_table and next_free_page
         updated)."""
+        kernel_cache.attach(page_alloc_range)
         page_alloc_range[1, THREADS, stream](start, m, page_table, free_pages, next_free_page)
 
 
