@@ -167,14 +167,16 @@ class KernelCache:
             pass
 
 
-def attach(dispatcher) -> None:
-    """Give `dispatcher` (a `cuda.jit` kernel) this cache before its first compile: every later
-    compile of it, by any launch path, goes through the cache. Once a dispatcher; nothing under the
-    CUDA simulator or when the cache is off."""
+def attach(dispatcher):
+    """Give `dispatcher` (a `cuda.jit` kernel) this cache before its first compile, and return it:
+    every later compile of it, by any launch path, goes through the cache. launch.launch attaches
+    each kernel it compiles; a kernel launched with numba's own `kernel[grid, block]` is attached
+    where it is built. Once a dispatcher; nothing under the CUDA simulator or when the cache is off."""
     from .ptx import SIMULATOR
 
     if SIMULATOR or isinstance(getattr(dispatcher, "_cache", None), KernelCache):
-        return
+        return dispatcher
     directory = cache_directory()
     if directory is not None:
         dispatcher._cache = KernelCache(directory, dispatcher)
+    return dispatcher

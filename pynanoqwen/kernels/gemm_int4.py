@@ -272,7 +272,7 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
                             else:
                                 out[row * U(n) + col + U(e)] = value
 
-    return gemm_int4
+    return kernel_cache.attach(gemm_int4)  # launched with numba's own launch (GemmTiling.launch)
 
 
 def _weights(n: int, k: int, qweight, scales):
@@ -336,7 +336,6 @@ class GemmTiling:
             and workspace.fits(grid, tiles.block_m, self.n, chunks) and grid[0] * grid[1] < sm_count()
         partials, counters = (workspace.partials, workspace.counters) if split else self._no_workspace
         shared = tiles.dynamic_shared_bytes
-        kernel_cache.attach(kernel)
         if shared > STATIC_SHARED_BYTES:
             allow_dynamic_shared(kernel, out.dtype, shared)
         kernel[grid + ((chunks,) if split else ()), tiles.threads, stream, shared](

@@ -44,12 +44,11 @@ class LastRow:
     """The prefill-to-decode hand-over for one hidden size; `launch` enqueues it on a stream."""
 
     def __init__(self, hidden_size: int):
-        self.kernel = _last_row_kernel(hidden_size)
+        self.kernel = kernel_cache.attach(_last_row_kernel(hidden_size))
         self.grid = -(-hidden_size // THREADS)
 
     def launch(self, stream, h_rows, start, m, h, pos) -> None:
         """h_rows float32 [>= m, hidden], start, m int32 [1] -> h float32 [hidden], pos int32 [1]."""
-        kernel_cache.attach(self.kernel)
         self.kernel[self.grid, THREADS, stream](h_rows, start, m, h, pos)
 
 
