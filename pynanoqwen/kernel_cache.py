@@ -15,8 +15,9 @@ device function in a closure writes its dispatcher's per-process random uuid: ev
 by a factory (all of ours) would miss in every new process. This cache's key is instead:
 - everything that can change the generated code beyond the kernel itself: the source of every
   module of this package (a kernel's globals and device functions live anywhere in it), the
-  versions of numba, numba-cuda, llvmlite and the CUDA wheels, numba's optimisation level, and the
-  GPU (name, compute capability, SM count), hashed once a process (`environment_digest`);
+  versions of numba, numba-cuda, llvmlite and the CUDA wheels, numba's optimisation level,
+  debug-info default and NRT switch, and the GPU (name, compute capability, SM count), hashed
+  once a process (`environment_digest`);
 - the kernel: its module and qualified name (in this package: kernels defined elsewhere, such as
   dev/'s variants, are not cached), its target options, and its closure's values,
   described recursively (`describe`: numbers, strings, tuples, numpy values, numba types, and the
@@ -108,7 +109,8 @@ def environment_digest() -> str:
     versions = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
                       if (d.metadata["Name"] or "").lower().startswith(TOOLCHAIN_PREFIXES))
     device = get_current_device()
-    digest.update(repr((versions, config.OPT, device.name, device.compute_capability,
+    settings = (config.OPT, config.CUDA_DEBUGINFO_DEFAULT, config.CUDA_ENABLE_NRT)  # numba's that change code
+    digest.update(repr((versions, settings, device.name, device.compute_capability,
                         device.MULTIPROCESSOR_COUNT)).encode())
     return digest.hexdigest()
 
