@@ -7,7 +7,8 @@ s a prefill kernel on the 2-core development machine (tests/test_kernels_compile
 2026-12-06, evening; how much of that is compiling was not measured apart), and `generate`,
 `bench` and the GPU tests compile at every start.
 
-What. `launch.launch` attaches a `KernelCache` to each dispatcher before its first compile. Numba
+What. `attach` gives a dispatcher a `KernelCache` before its first compile: `launch.launch` on a
+compile miss, and the builders of the kernels numba's own `kernel[grid, block]` launches. Numba
 asks it for a compiled kernel (`load_overload`) before compiling, and hands it what it compiled
 (`save_overload`): the duck-typed protocol of numba-cuda's own disk cache, whose key cannot serve
 here. Numba keys a kernel by its bytecode and the pickled contents of its closure, and pickling a
@@ -21,12 +22,13 @@ by a factory (all of ours) would miss in every new process. This cache's key is 
 - the kernel: its module and qualified name (in this package: kernels defined elsewhere, such as
   dev/'s variants, are not cached), its target options, and its closure's values,
   described recursively (`describe`: numbers, strings, tuples, numpy values, numba types, and the
-  device functions it calls, by name and their own closures); a value it cannot describe makes
-  that kernel uncached rather than risk a wrong hit;
+  device functions it calls, by name and their own closures); a value it cannot describe leaves
+  that kernel compiling as before rather than risk a wrong hit;
 - the argument types.
-A kernel whose key cannot be described compiles as before. A file per (kernel, argument types), named by the key's hash, holds numba's own serialised kernel
+A file per (kernel, argument types), named by the key's hash, holds numba's own serialised kernel
 (PTX and cubin), written to a temporary name and renamed into place. A file that cannot be read or
-written costs a compile, never the run.
+written costs a compile, never the run. tests/test_kernel_cache.py's GPU test prints a cold and a
+warm start's seconds; it has not run on a GPU yet, so no saving has been measured.
 
 Where: $PYNANOQWEN_KERNEL_CACHE, else $XDG_CACHE_HOME/pynanoqwen/kernels, else
 ~/.cache/pynanoqwen/kernels; PYNANOQWEN_KERNEL_CACHE=off compiles everything afresh. Nothing
