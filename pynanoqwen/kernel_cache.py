@@ -147,11 +147,13 @@ class KernelCache:
         return self.directory / (hashlib.sha256((self.prefix + str(signature)).encode()).hexdigest() + ".kernel")
 
     def load_overload(self, signature, target_context):
+        from numba.cuda import utils
         from numba.cuda.dispatcher import _Kernel
 
         try:
-            payload = pickle.loads(self.path(signature).read_bytes())
-            return _Kernel._rebuild(**payload)
+            # As numba-cuda's own cache loads: unpickled and rebuilt with the CUDA target current.
+            with utils.numba_target_override():
+                return _Kernel._rebuild(**pickle.loads(self.path(signature).read_bytes()))
         except Exception:  # uncached, absent, truncated or unreadable: compile instead
             return None
 
