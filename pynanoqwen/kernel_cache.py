@@ -92,8 +92,11 @@ def describe(value) -> str:
             # Its source is not in environment_digest: a kernel made elsewhere (dev/'s variants,
             # a test's) could change under the same name and closure.
             raise Uncacheable(f"{value.__module__}.{value.__qualname__}, outside {__package__}")
+        # Its line and bytecode too: two lambdas of one scope share a qualified name.
+        code = value.__code__
         cells = tuple(cell.cell_contents for cell in value.__closure__ or ())
-        return f"function:{value.__module__}.{value.__qualname__}" + describe(cells)
+        return (f"function:{value.__module__}.{value.__qualname__}@{code.co_firstlineno}:"
+                f"{hashlib.sha256(code.co_code).hexdigest()[:16]}" + describe(cells))
     if isinstance(value, (type, pytypes.ModuleType)) or callable(value) and hasattr(value, "__qualname__"):
         return f"named:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
     raise Uncacheable(f"{type(value).__module__}.{type(value).__qualname__}")
@@ -160,6 +163,7 @@ class KernelCache:
     def save_overload(self, signature, kernel) -> None:
         from numba.cuda.serialize import dumps
 
+        partial = None
         try:
             path = self.path(signature)
             if path is None:
@@ -167,10 +171,12 @@ class KernelCache:
             data = dumps(kernel._reduce_states())
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, suffix=".partial", delete=False) as f:
+                partial = Path(f.name)
                 f.write(data)
-            os.replace(f.name, path)
+            os.replace(partial, path)
         except Exception:  # a full or read-only disk costs the next process a compile, not this one its run
-            pass
+            if partial is not None:
+                partial.unlink(missing_ok=True)
 
 
 def attach(dispatcher):

@@ -64,6 +64,12 @@ def test_a_value_it_cannot_name_makes_the_kernel_uncached(monkeypatch):
     assert kernel_cache.describe(values) == kernel_cache.describe(tuple(values))
     assert kernel_cache.describe(np.arange(4, dtype=np.int32)) != kernel_cache.describe(np.arange(1, 5, dtype=np.int32))
     assert kernel_cache.describe(np.int32(1)) != kernel_cache.describe(np.int64(1)) != kernel_cache.describe(1)
+    # Two lambdas of one scope share a qualified name; their lines and bytecode tell them apart.
+    first, second = (lambda x: x + 1), (lambda x: x * 2)
+    for f in (first, second):
+        monkeypatch.setattr(f, "__module__", "pynanoqwen.kernels.example")
+    assert first.__qualname__ == second.__qualname__
+    assert kernel_cache.describe(first) != kernel_cache.describe(second)
 
 
 def test_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -97,6 +103,14 @@ def test_a_damaged_or_unwritable_cache_costs_a_compile(monkeypatch, tmp_path):
     cache.save_overload(signature, Unpicklable())  # nothing raised, nothing half-written
     assert cache.path(signature).read_bytes() == b"not a pickle"
     assert not list(tmp_path.glob("*.partial"))
+    class Kernel:  # pickles, but the rename into place fails: nothing may be left behind
+        def _reduce_states(self):
+            return {"cubin": b"..."}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel_cache.os, "replace", lambda *_: (_ for _ in ()).throw(OSError("disk full")))
+        cache.save_overload("(int32[::1],)", Kernel())
+    assert not cache.path("(int32[::1],)").exists() and not list(tmp_path.glob("*.partial"))
     (tmp_path / "file").write_text("")
     blocked = kernel_cache.KernelCache(tmp_path / "file" / "below", FakeDispatcher(target.py_func))
     blocked.save_overload(signature, Unpicklable())
