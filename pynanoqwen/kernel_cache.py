@@ -19,11 +19,11 @@ by a factory (all of ours) would miss in every new process. This cache's key is 
   versions of numba, numba-cuda, llvmlite and the CUDA wheels, numba's optimisation level,
   debug-info default and NRT switch, and the GPU (name, compute capability, SM count), hashed
   once a process (`environment_digest`);
-- the kernel: its module and qualified name (in this package: kernels defined elsewhere, such as
-  dev/'s variants, are not cached), its target options, and its closure's values,
+- the kernel: its module, qualified name, line and bytecode (kernels defined outside this package,
+  such as dev/'s variants, are not cached), its target options, and its closure's values,
   described recursively (`describe`: numbers, strings, tuples, numpy values, numba types, and the
-  device functions it calls, by name and their own closures); a value it cannot describe leaves
-  that kernel compiling as before rather than risk a wrong hit;
+  device functions it calls, as the kernel itself); a value it cannot describe leaves that kernel
+  compiling as before rather than risk a wrong hit;
 - the argument types.
 A file per (kernel, argument types), named by the key's hash, holds numba's own serialised kernel
 (PTX and cubin), written to a temporary name and renamed into place. A file that cannot be read or
