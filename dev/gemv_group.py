@@ -80,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pynanoqwen.config import GROUP_SIZE  # noqa: E402
 from pynanoqwen.kernels import PAGE_SIZE  # noqa: E402
+from pynanoqwen.kernels.kv_layout import stored_dim  # noqa: E402
 from pynanoqwen.kernels.gemv_int4_paths import (FIXED_MAX, INVERSE_FIXED_MAX, NIBBLE_BYTES,  # noqa: E402
                                                 _normed_activations, fixed16_quad)
 from pynanoqwen.ptx import SIMULATOR  # noqa: E402
@@ -204,12 +205,12 @@ def rope_writer(num_heads: int, num_kv_heads: int, head_dim: int):
                 q_out[U(first + half)] = y2
             else:
                 kv = U(head - U(num_heads))
-                k_pages[page, kv, slot, d] = y1
-                k_pages[page, kv, slot, U(d + half)] = y2
+                k_pages[page, kv, slot, stored_dim(slot, d)] = y1
+                k_pages[page, kv, slot, stored_dim(slot, U(d + half))] = y2
         else:
             kv = U(head - U(num_heads + num_kv_heads))
-            v_pages[page, kv, slot, d] = x1
-            v_pages[page, kv, slot, U(d + half)] = x2
+            v_pages[page, kv, slot, stored_dim(slot, d)] = x1
+            v_pages[page, kv, slot, stored_dim(slot, U(d + half))] = x2
 
     return rope_pair
 

@@ -16,6 +16,7 @@ from numba import cuda
 
 from .kernels import PAGE_SIZE, attention_decode, embedding, gemv_fp16, gemv_int4, rmsnorm, \
     rope_kv_write, sampling
+from .kernels.kv_layout import swizzle_rows
 from .oracles import FP16_TINY, U16, U32, Check, attention_oracle, bound_report, fp16_gemv_oracle, gemv_oracle, \
     passed, rmsnorm_oracle, rope_oracle, silu_product_oracle
 from .sampling import SamplingParams
@@ -76,7 +77,9 @@ def check_rope_kv_write(weights, rng) -> Iterator[Check]:
     parts, rotated, f32 = (a[0] for a in rope_oracle(qkv[None], np.array([position]), heads, kv_heads, hd,
                                                      cfg.rope_theta))
     page, slot = page_table[position // PAGE_SIZE], position % PAGE_SIZE
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    # In logical order (kernels/kv_layout.py); the init too, so that untouched slots compare alike.
+    k_got, v_got = swizzle_rows(k_pages.copy_to_host()), swizzle_rows(v_pages.copy_to_host())
+    k_init, v_init = swizzle_rows(k_init), swizzle_rows(v_init)
     k_rot = rotated[heads:heads + kv_heads]
     untouched = np.ones(k_init.shape[:3], bool)
     untouched[page, :, slot] = False
@@ -95,8 +98,9 @@ def check_rope_kv_write(weights, rng) -> Iterator[Check]:
 
 def random_attention_case(rng, heads: int, kv_heads: int, head_dim: int, max_pages: int, context: int):
     """Decode attention's inputs for one token at position context - 1 and their float64 answer:
-    ((q, k_pages, v_pages, page_table, pos), expected, bound), host arrays. Fresh random q and K/V,
-    a shuffled page table, NaN in every slot outside the context (reading one poisons the output)."""
+    ((q, k_pages, v_pages, page_table, pos), expected, bound), host arrays, the pages in their stored
+    order (kernels/kv_layout.py). Fresh random q and K/V, a shuffled page table, NaN in every slot
+    outside the context (reading one poisons the output)."""
     shape = (max_pages, kv_heads, PAGE_SIZE, head_dim)
     page_table = rng.permutation(max_pages).astype(np.int32)
     k_pages, v_pages = np.full(shape, np.nan, np.float16), np.full(shape, np.nan, np.float16)
@@ -107,7 +111,8 @@ def random_attention_case(rng, heads: int, kv_heads: int, head_dim: int, max_pag
     q = (3.0 * rng.standard_normal((heads, head_dim))).astype(np.float32)
     expected, bound = attention_oracle(q[None], k_pages[pages, :, slots], v_pages[pages, :, slots],
                                        np.array([context - 1]), fp16_operands=False)
-    return (q, k_pages, v_pages, page_table, np.array([context - 1], np.int32)), expected[0], bound[0]
+    return ((q, swizzle_rows(k_pages), swizzle_rows(v_pages), page_table, np.array([context - 1], np.int32)),
+            expected[0], bound[0])
 
 
 def check_attention(weights, rng) -> Iterator[Check]:

@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 4, 128
 
@@ -62,7 +63,8 @@ def main() -> int:
     attention = make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_pages, num_splits=args.num_splits)
     out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
     stream = cuda.stream()
-    attention.launch(stream, cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
+    attention.launch(stream, cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
+                     cuda.to_device(swizzle_rows(v_pages)),
                      cuda.to_device(page_table), cuda.to_device(np.array([args.context - 1], np.int32)), out)
     got = out.copy_to_host(stream=stream).astype(np.float64)
     stream.synchronize()

@@ -67,12 +67,16 @@ def random_case(rng, start, m, shape, m_cap, max_pages, pool_pages):
 
 
 def run_case(attention, case, start, m):
-    """The attention's output rows 0..m-1 for `case` (host arrays in, host array out)."""
+    """The attention's output rows 0..m-1 for `case` (host arrays in, the pages in dim order, host
+    array out)."""
     from numba import cuda
+
+    from pynanoqwen.kernels.kv_layout import swizzle_rows
 
     q, k_pages, v_pages, page_table = case
     out = cuda.to_device(np.full((q.shape[0], q.shape[1] * q.shape[2]), np.nan, np.float16))
-    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
+    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
+                     cuda.to_device(swizzle_rows(v_pages)),
                      cuda.to_device(page_table), cuda.to_device(np.array([start], np.int32)),
                      cuda.to_device(np.array([m], np.int32)), out)
     return out.copy_to_host()[:m]

@@ -12,6 +12,7 @@ from numba import cuda
 
 from pynanoqwen.graphs import capture
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -48,8 +49,8 @@ class Case:
         self.k_pages[pages, :, slots] = rng.standard_normal((context, NUM_KV_HEADS, HEAD_DIM))
         self.v_pages[pages, :, slots] = rng.standard_normal((context, NUM_KV_HEADS, HEAD_DIM))
         self.q = (3.0 * rng.standard_normal((NUM_HEADS, HEAD_DIM))).astype(np.float32)
-        self.device = [cuda.to_device(a) for a in (self.q, self.k_pages, self.v_pages, self.page_table,
-                                                   np.array([context - 1], np.int32))]
+        self.device = [cuda.to_device(a) for a in (self.q, swizzle_rows(self.k_pages), swizzle_rows(self.v_pages),
+                                                   self.page_table, np.array([context - 1], np.int32))]
         self.out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
 
     def expected(self):

@@ -26,6 +26,7 @@ from numba import cuda
 from attention_prefill_oracle import reference_and_bound
 from pynanoqwen.gpu_timing import time_graph
 from pynanoqwen.kernels.attention_prefill import PAGE_SIZE, SPLIT_ROWS, attention_flops, make_prefill_attention
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -53,8 +54,9 @@ class Case:
         self.v_pages[pages, :, slots] = rng.standard_normal((start + m, NUM_KV_HEADS, HEAD_DIM))
         self.q = np.full((M_CAP, NUM_HEADS, HEAD_DIM), np.nan, np.float32)
         self.q[:m] = 3.0 * rng.standard_normal((m, NUM_HEADS, HEAD_DIM))  # peaked softmax
-        self.device = [cuda.to_device(a) for a in (self.q, self.k_pages, self.v_pages, self.page_table,
-                                                   np.array([start], np.int32), np.array([m], np.int32))]
+        self.device = [cuda.to_device(a) for a in (self.q, swizzle_rows(self.k_pages), swizzle_rows(self.v_pages),
+                                                   self.page_table, np.array([start], np.int32),
+                                                   np.array([m], np.int32))]
         self.out = cuda.to_device(np.full((M_CAP, NUM_HEADS * HEAD_DIM), np.nan, np.float16))
 
     def launch(self, attention, stream):

@@ -13,8 +13,6 @@ from numba import cuda
 
 import attention_cluster_merge
 import attention_one_fence
-import attention_swizzled_pages
-import attention_swizzled_ring
 import gemm_k_chunks
 import gemm_mma_sync_large
 import gemm_wgmma_split_k
@@ -29,11 +27,10 @@ from harness import print_table
 from test_kernels_compile import assemble_sm90
 
 VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_k_chunks, unfused_norm, attention_cluster_merge,
-            attention_one_fence, attention_swizzled_ring, attention_swizzled_pages, mlp_fused, gemv_bulk_ring, gemv_mma,
-            megakernel_gemv_chain, gemv_group, gemv_group_verify]
+            attention_one_fence, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain, gemv_group,
+            gemv_group_verify]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets() + gemm_k_chunks.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
-           + attention_swizzled_ring.compile_targets() + attention_swizzled_pages.compile_targets()
            + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets()
            + megakernel_gemv_chain.compile_targets() + gemv_group.compile_targets()
            + gemv_group_verify.compile_targets())

@@ -43,6 +43,7 @@ from pynanoqwen.engine import CudaBackend, check_free_memory, device_bytes, pref
 from pynanoqwen.errors import NanoQwenError
 from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.kernels.embedding import make_embedding
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 from pynanoqwen.kernels.gemv_fp16 import make_gemv_fp16
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
 from pynanoqwen.kernels.rmsnorm import make_rmsnorm
@@ -131,11 +132,11 @@ def test_rope_kv_write_7b():
         bound = 8 * FP32_EPS * np.tile(np.abs(x1) + np.abs(x2), 2)
         np.testing.assert_array_less(np.abs(q.copy_to_host() - rotated[:heads]), bound[:heads] + 1e-30)
         page, slot = page_table[position // PAGE_SIZE], position % PAGE_SIZE
-        k_slot = k_pages.copy_to_host()[page, :, slot].astype(np.float64)
+        k_slot = swizzle_rows(k_pages.copy_to_host()[page])[:, slot].astype(np.float64)
         k_expected = rotated[heads:heads + kv_heads]
         np.testing.assert_array_less(np.abs(k_slot - k_expected),
                                      FP16_HALF_ULP * np.abs(k_expected) + bound[heads:heads + kv_heads] + 2.0**-25)
-        np.testing.assert_array_equal(v_pages.copy_to_host()[page, :, slot],
+        np.testing.assert_array_equal(swizzle_rows(v_pages.copy_to_host()[page])[:, slot],
                                       parts[heads + kv_heads:].astype(np.float16))
 
 

@@ -46,6 +46,7 @@ from numba import cuda
 
 from pynanoqwen.config import PRESETS
 from pynanoqwen.engine import CudaBackend
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE
 from pynanoqwen.prefix_cache import PrefixCache
 from pynanoqwen.reference import ReferenceModel
@@ -83,7 +84,7 @@ def kv_of_positions(backend, n: int, page_table: np.ndarray) -> tuple[np.ndarray
     """float32 K and V [layers, n, kv_heads, head_dim] of positions 0..n-1, gathered from the pages."""
     positions = np.arange(n)
     pages, slots = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
-    k, v = backend.kv.k.copy_to_host(), backend.kv.v.copy_to_host()
+    k, v = swizzle_rows(backend.kv.k.copy_to_host()), swizzle_rows(backend.kv.v.copy_to_host())
     return (np.moveaxis(k[:, pages, :, slots], 0, 1).astype(np.float32),
             np.moveaxis(v[:, pages, :, slots], 0, 1).astype(np.float32))
 

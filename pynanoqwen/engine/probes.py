@@ -22,6 +22,7 @@ from numba import cuda
 
 from ..errors import NanoQwenError
 from ..kernels import PAGE_SIZE
+from ..kernels.kv_layout import swizzle_rows
 from ..sampling import SamplingParams
 from .buffers import StepState
 from .schedule import DecodeOps, Launch, forward_launches, layer_launches, run_all
@@ -160,9 +161,10 @@ class EngineProbes:
 
     def _gathered(self, pages, positions: int) -> np.ndarray:
         """float16 [positions, kv_heads, head_dim]: the slots of positions 0..positions-1 of one
-        layer's pool, found through the page table (only the pages in use are copied)."""
+        layer's pool, found through the page table (only the pages in use are copied), each slot's
+        values put back in dim order (kernels/kv_layout.py)."""
         table = self.state.page_table.copy_to_host(stream=self.stream)
         used = -(-positions // PAGE_SIZE)
-        copies = np.stack([pages[int(page)].copy_to_host(stream=self.stream) for page in table[:used]])
+        copies = swizzle_rows(np.stack([pages[int(page)].copy_to_host(stream=self.stream) for page in table[:used]]))
         _, kv_heads, _, head_dim = copies.shape  # [page, kv head, slot, dim] -> [position, kv head, dim]
         return copies.transpose(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)[:positions]

@@ -32,8 +32,10 @@ Inside a block (warp specialisation):
   bytes on the stage's `full` mbarrier and issues two `cp.async.bulk` copies, the K tile and the V
   tile of (page, g), 4 KiB each. Whole tiles, not rows: a version that copied 32 padded 256-byte
   rows per page (to spare ldmatrix its bank conflicts) ran at ~1.8 us a page, bound by the copy
-  engine's per-request cost (docs/PERFORMANCE.md). The price is an 8-way bank conflict in each
-  ldmatrix (the 8 rows of a matrix are 256 bytes apart): ~512 shared-memory cycles a page.
+  engine's per-request cost (docs/PERFORMANCE.md). Stored row by row, the 8 rows an ldmatrix
+  matrix reads would be 256 bytes apart, an 8-way bank conflict; the pages are stored swizzled
+  instead (kernels/kv_layout.py: chunk c of slot s at c ^ (s % 8)), so a whole-tile copy lands
+  conflict-free and the consumers' ldmatrix addresses apply the same XOR.
 - consumer warp w takes pages w, w + CONSUMERS, ... (STAGES is a multiple of CONSUMERS, so each
   stage serves one consumer, four pages ahead at the defaults): waits for the page's `full` phase,
   zeroes the V rows past the context (the cache holds anything there, NaN included, and P V would
@@ -66,10 +68,9 @@ Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short lau
 tokens (8.0 at 545), of which the cross-block merge is still the largest part: from the consumers'
 partials meeting to attn written, 4.1 us at 545 tokens on an H100, 1.8 of them the split's partial
 stored and fenced, where a block without pages fences in 0.5 (the store's round trip, not the
-kind of fence: fence.acq_rel or thread 0 alone measured the same). The
-dev variants bound both: conflict-free pages (dev/attention_swizzled_ring.py) gain 0.5 us at 512
-tokens and 1.1 us at 4096 but lose 12 us at 32000 (per-thread copies keep fewer pages in flight);
-merging in a cluster (dev/attention_cluster_merge.py) saves nothing at 16 tokens and costs 2.7 to
+kind of fence: fence.acq_rel or thread 0 alone measured the same). Those figures predate the
+swizzled pages, which took 0.7 us off a launch at 512 tokens and 2.6 at 32000 (kernels/kv_layout.py).
+Merging in a cluster (dev/attention_cluster_merge.py) saves nothing at 16 tokens and costs 2.7 to
 7.8 us more at 512 and 11 to 32 us at 32000, in clusters of 2, 4 or 8 blocks.
 """
 
@@ -93,6 +94,7 @@ from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_
 from ..ptx.mma import ldmatrix_x4, ldmatrix_x4_trans, mma_m16n8k16
 from ..ptx.warp import shfl_xor, syncwarp
 from . import PAGE_SIZE, CompileTarget
+from .kv_layout import SWIZZLE_ROWS, check_head_dim
 
 CONSUMERS = 4  # consumer warps per block
 # Pages in the ring: four per consumer. Against two: 36.0 against 38.0 us a launch at 32000 tokens,
@@ -118,8 +120,7 @@ def make_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, max_
     """Build the decode-attention kernel for one model's attention shape (dims become constants)."""
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim % 32:
-        raise ConfigError(f"decode attention needs head_dim a multiple of 32, got {head_dim}")
+    check_head_dim(head_dim)  # the pages' swizzle (kernels/kv_layout.py) spans 64 dims
     if num_heads // num_kv_heads > MAX_GROUP:
         raise ConfigError(f"{num_heads // num_kv_heads} query heads per KV head: at most {MAX_GROUP} fit "
                           "the decode attention's mma tile")
@@ -278,15 +279,16 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                     for w in range(lane, (PAGE_SIZE - valid) * ROW_WORDS, 32):
                         words[V_RING + base + valid * ROW_WORDS + w] = U(0)
                     syncwarp()
-                # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m: matrices 0, 1
-                # are b0, b1 of k step 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
+                # S = Q K^T. Lane 8m + r points at key row 8 j + r, dims 32 kk2 + 8 m (chunk 4 kk2 + m,
+                # stored at that ^ r: kernels/kv_layout.py): matrices 0, 1 are b0, b1 of k step
+                # 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
                 for j in range(2):
                     # The high and low parts of q accumulate in two chains (half the dependent mma
                     # latency), summed at the end.
                     c0, c1, d0, d1 = ZERO, ZERO, ZERO, ZERO
                     for kk2 in range(DIM_STEPS // 2):
                         b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
-                                                     + 16 * kk2 + 4 * (lane // 8))
+                                                     + 4 * ((4 * kk2 + lane // 8) ^ (lane % SWIZZLE_ROWS)))
                         a = 4 * kk2
                         c0, c1, _, _ = mma_m16n8k16(q_hi[a], NONE, q_hi[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
                         d0, d1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, d0, d1, ZERO, ZERO)
@@ -314,13 +316,14 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                     running_sum += s[e]
                 # O += P V: the S accumulators of the two key n tiles are the A fragment of one
                 # 16-key k step (rows gid + 8 zero). Lane 8m + r points at key row 8 (m % 2) + r,
-                # dims 16 jp + 8 (m // 2): transposed, matrices 0, 1 are b0, b1 of dim n tile 2 jp,
-                # matrices 2, 3 those of n tile 2 jp + 1.
+                # dims 16 jp + 8 (m // 2) (chunk 2 jp + m // 2, stored at that ^ r): transposed,
+                # matrices 0, 1 are b0, b1 of dim n tile 2 jp, matrices 2, 3 those of n tile 2 jp + 1.
                 p0_hi, p0_lo = split_hi_lo(s[0], s[1])
                 p1_hi, p1_lo = split_hi_lo(s[2], s[3])
                 for jp in range(DIM_NTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(words, V_RING + base + (8 * ((lane // 8) % 2) + lane % 8)
-                                                       * SMEM_ROW_WORDS + 8 * jp + 4 * (lane // 16))
+                                                       * SMEM_ROW_WORDS
+                                                       + 4 * ((2 * jp + lane // 16) ^ (lane % SWIZZLE_ROWS)))
                     o = 4 * jp
                     acc[o], acc[o + 1], _, _ = mma_m16n8k16(p0_hi, NONE, p1_hi, NONE, b0, b1, acc[o], acc[o + 1],
                                                             ZERO, ZERO)

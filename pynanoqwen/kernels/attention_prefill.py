@@ -6,11 +6,12 @@ A prompt chunk of m query rows; row i is position start + i and attends to posit
 
 for every query head h (group = num_heads // num_kv_heads query heads share one KV head, GQA).
 K and V come from the pages decode reads (docs/DECODE.md): k_pages, v_pages float16 [num_pages,
-num_kv_heads, 16, head_dim], position p at page page_table[p // 16], slot p % 16. Positions below
-start were written by earlier chunks, start..start + m - 1 by this chunk's rope_kv_write; nothing
-else is ever read (other slots may hold anything, NaN included). q float32 [M_cap, num_heads,
-head_dim] (rotated), out float16 [M_cap, num_heads * head_dim]. start and m are int32[1] device
-arrays, because the launch is captured in a CUDA graph; M_cap (q.shape[0]) fixes the grid then.
+num_kv_heads, 16, head_dim], position p at page page_table[p // 16], slot p % 16, its values in
+the order of kernels/kv_layout.py. Positions below start were written by earlier chunks,
+start..start + m - 1 by this chunk's rope_kv_write; nothing else is ever read (other slots may
+hold anything, NaN included). q float32 [M_cap, num_heads, head_dim] (rotated), out float16
+[M_cap, num_heads * head_dim]. start and m are int32[1] device arrays, because the launch is
+captured in a CUDA graph; M_cap (q.shape[0]) fixes the grid then.
 
 Launch shape. grid = (ceil(M_cap / query_tile), num_kv_heads), block = group * query_tile / 16
 warps padded to whole warpgroups (7 -> 8 at 7B). Block (x, g) serves query positions [r0, r0 +

@@ -20,6 +20,7 @@ from ..ptx.wgmma import ROW_BYTES, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_as
     wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
 from . import PAGE_SIZE
 from .call_free import divide
+from .kv_layout import SWIZZLE_ROWS
 
 KEY_TILE = 64  # keys per pipeline stage: four pages, one m64n64 wgmma a 16-dim k step
 STAGES = 2  # (K, V) tiles in shared memory: 67 KiB at head_dim 128
@@ -110,8 +111,9 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
                 src, size = U(0), U(0)
                 if key <= last_key:
                     page = U(page_table[key // U(PAGE_SIZE)])
+                    # The page stores chunk c of slot s at c ^ (s % 8) (kernels/kv_layout.py).
                     src = page * U(PAGE_WORDS) + kv_head * U(KV_HEAD_WORDS) + (key % U(PAGE_SIZE)) * U(SLOT_WORDS) \
-                        + chunk * U(4)
+                        + (chunk ^ (key % U(SWIZZLE_ROWS))) * U(4)
                     size = U(16)
                 cp_async_16(smem, k_dst, k_words, src, size)
                 cp_async_16(smem, v_dst, v_words, src, size)

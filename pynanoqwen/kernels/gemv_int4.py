@@ -49,6 +49,7 @@ from ..device import sm_count
 from ..launch import launch
 from . import LONG_K, CompileTarget, kernel_path, on_device
 from .gemv_int4_kernel import MAX_DEPTH, gemv_kernel
+from .kv_layout import check_head_dim
 from .quantize_activation import Int8Activations
 from .rmsnorm import make_rmsnorm
 
@@ -168,9 +169,10 @@ class Int4Gemv:
         if rope_heads is not None:
             num_heads, num_kv_heads, head_dim = rope_heads
             plan = ROPE_PLAN if plan is None else plan
-            if plan.rows != 2 or n != (num_heads + 2 * num_kv_heads) * head_dim or bias is None or head_dim % 2:
+            if plan.rows != 2 or n != (num_heads + 2 * num_kv_heads) * head_dim or bias is None:
                 raise ValueError(f"a QKV GEMV with RoPE needs rows=2 (got {plan.rows}), N = (heads + 2 kv heads) "
                                  f"x head_dim (got {n} for {rope_heads}) and a bias")
+            check_head_dim(head_dim)  # it writes K/V pages (kernels/kv_layout.py)
         plan = default_plan(n, k) if plan is None else plan
         path = kernel_path(path, k)
         _check(path, n, k, qweight, scales, plan)

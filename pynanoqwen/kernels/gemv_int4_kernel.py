@@ -74,6 +74,7 @@ from ..ptx.mma import SHARED_ALIGNMENT
 from ..ptx.warp import warp_sum
 from . import PAGE_SIZE
 from .gemv_int4_paths import CHUNKS_PER_GROUP, U, gemv_path
+from .kv_layout import stored_dim
 
 MAX_DEPTH = 4  # pipeline slots a kernel can have (each one a named local array)
 
@@ -218,7 +219,8 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
     @cuda.jit(device=True, inline="always")
     def finish_rope(tile, owner, lane, totals, early_values, p, page, out):
         """The QKV tile (d, d + half) of one head: + bias, then a q head is rotated into q, a k head
-        rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math)."""
+        rotated into its KV page slot, a v head copied there (kernels/rope_kv_write.py's math; the
+        slot's order is kernels/kv_layout.py's)."""
         if lane == U(owner % U(tiles_per_round)):
             q_out, k_pages, v_pages = out[0], out[1], out[2]
             round_ = U(owner // U(tiles_per_round))
@@ -236,12 +238,12 @@ def gemv_kernel(path: str, n: int, k: int, matrices: int, plan, grid: int, epilo
                     q_out[first + half] = y2
                 else:
                     kv = head - U(num_heads)
-                    k_pages[page, kv, slot, d] = y1
-                    k_pages[page, kv, slot, d + half] = y2
+                    k_pages[page, kv, slot, stored_dim(slot, d)] = y1
+                    k_pages[page, kv, slot, stored_dim(slot, d + half)] = y2
             else:
                 kv = head - U(num_heads + num_kv_heads)
-                v_pages[page, kv, slot, d] = x1
-                v_pages[page, kv, slot, d + half] = x2
+                v_pages[page, kv, slot, stored_dim(slot, d)] = x1
+                v_pages[page, kv, slot, stored_dim(slot, d + half)] = x2
 
     @cuda.jit(device=True, inline="always")
     def finish(tile, owner, lane, totals, bias_values, early_values, p, page, out):

@@ -9,6 +9,8 @@ token at position p = start + i:
     k_pages[page, g, slot] = float16(rope(qkv[i] k head g, p))   page = page_table[p // 16], slot = p % 16
     v_pages[page, g, slot] = float16(qkv[i] v head g)
 
+(each slot's values in the order of kernels/kv_layout.py).
+
 RoPE is Hugging Face's rotate_half convention (reference.apply_rope): element i pairs with
 element i + head_dim/2, both rotated by the angle p * theta^(-2i/head_dim):
 
@@ -46,6 +48,7 @@ from ..launch import launch
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..reference import rope_tables
 from . import CompileTarget
+from .kv_layout import check_head_dim, stored_dim
 from .page_alloc import PAGE_SIZE
 
 
@@ -91,12 +94,13 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
             x2 = qkv[row, k_start + kv_head * head_dim + half + i]
             c = rope_cos[p, i]
             s = rope_sin[p, i]
-            k_pages[page, kv_head, slot, i] = x1 * c - x2 * s
-            k_pages[page, kv_head, slot, half + i] = x2 * c + x1 * s
+            k_pages[page, kv_head, slot, stored_dim(slot, i)] = x1 * c - x2 * s
+            k_pages[page, kv_head, slot, stored_dim(slot, half + i)] = x2 * c + x1 * s
         else:
             kv_head -= num_kv_heads
-            v_pages[page, kv_head, slot, i] = qkv[row, v_start + kv_head * head_dim + i]
-            v_pages[page, kv_head, slot, half + i] = qkv[row, v_start + kv_head * head_dim + half + i]
+            v = v_start + kv_head * head_dim
+            v_pages[page, kv_head, slot, stored_dim(slot, i)] = qkv[row, v + i]
+            v_pages[page, kv_head, slot, stored_dim(slot, half + i)] = qkv[row, v + half + i]
 
     return rope_kv_write
 
@@ -106,6 +110,7 @@ class RopeKvWrite:
     (a prefill chunk) enqueue it on a stream."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        check_head_dim(head_dim)
         self.kernel = _rope_kv_write_kernel(num_heads, num_kv_heads, head_dim)
         self.heads = num_heads + 2 * num_kv_heads
         self.threads = head_dim // 2

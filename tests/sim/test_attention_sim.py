@@ -17,6 +17,7 @@ from numba import cuda
 
 from pynanoqwen.errors import ConfigError
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 64
 MAX_PAGES = 4
@@ -39,7 +40,8 @@ def reference_attention(q, k_pages, v_pages, page_table, pos):
 
 
 def random_cache(rng, context):
-    """K/V pools in a shuffled page order, NaN everywhere outside positions 0..context-1."""
+    """K/V pools in a shuffled page order, NaN everywhere outside positions 0..context-1 (each
+    slot's values in dim order: the launch stores them in kernels/kv_layout.py's)."""
     shape = (POOL_PAGES, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)
     k_pages = np.full(shape, np.nan, np.float16)
     v_pages = np.full(shape, np.nan, np.float16)
@@ -59,14 +61,6 @@ def test_decode_attention_matches_softmax_reference(num_splits, stages, consumer
 
 
 @pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
-def test_swizzled_ring_variant_matches_softmax_reference(num_splits, stages, consumers):
-    """dev/attention_swizzled_ring.py: the product's kernel with cp.async copies into a swizzled ring."""
-    from attention_swizzled_ring import load_variant
-
-    matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
-
-
-@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
 def test_cluster_merge_variant_with_one_block_clusters(num_splits, stages, consumers):
     """dev/attention_cluster_merge.py in clusters of one block (the simulator runs blocks one at a
     time): the leader's merge and, with several splits holding pages, the leaders' global merge."""
@@ -83,29 +77,6 @@ def test_one_fence_variant_matches_softmax_reference(num_splits, stages, consume
     matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
 
 
-@pytest.mark.parametrize("num_splits, stages, consumers", [(3, 2, 2), (1, 4, 2)])
-def test_swizzled_pages_variant_matches_softmax_reference(num_splits, stages, consumers):
-    """dev/attention_swizzled_pages.py: pages stored with chunk c of row r at c ^ (r % 8), read by
-    the product's copies and XORed ldmatrix addresses (its wrapper swizzles each pool it is given)."""
-    from attention_swizzled_pages import make_swizzled
-
-    matches_softmax_reference(make_swizzled, num_splits, stages, consumers)
-
-
-def test_pages_swizzle_on_the_device_as_in_numpy():
-    """dev/attention_swizzled_pages.py's device swizzle against its numpy one, and the numpy one
-    against the layout's definition: chunk c of key row r at chunk c ^ (r % 8)."""
-    from attention_swizzled_pages import swizzle_pages, swizzle_pages_host
-
-    pages = np.random.default_rng().standard_normal((3, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM)).astype(np.float16)
-    host = swizzle_pages_host(pages)
-    np.testing.assert_array_equal(swizzle_pages(cuda.to_device(pages)).copy_to_host(), host)
-    for r in (0, 5, 8, 15):
-        for c in (0, 3, HEAD_DIM // 8 - 1):
-            np.testing.assert_array_equal(host[:, :, r, 8 * (c ^ (r % 8)):8 * (c ^ (r % 8)) + 8],
-                                          pages[:, :, r, 8 * c:8 * c + 8])
-
-
 def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
     attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
@@ -117,8 +88,8 @@ def matches_softmax_reference(make, num_splits, stages, consumers):
         q = (3.0 * rng.standard_normal((NUM_HEADS, HEAD_DIM))).astype(np.float32)
         pos = np.array([context - 1], np.int32)
         out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
-        attention.launch(stream, cuda.to_device(q), cuda.to_device(k_pages), cuda.to_device(v_pages),
-                         cuda.to_device(page_table), cuda.to_device(pos), out)
+        attention.launch(stream, cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
+                         cuda.to_device(swizzle_rows(v_pages)), cuda.to_device(page_table), cuda.to_device(pos), out)
         expected = reference_attention(q, k_pages, v_pages, page_table, context - 1)
         # float16 output: 2e-3 is four half-ULPs at 1.0; the float32 math inside is far finer (q and
         # the weights enter the mma as FP16 high parts plus FP16 remainders: ~2^-22 relative).

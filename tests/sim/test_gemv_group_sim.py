@@ -98,15 +98,16 @@ def test_group_gate_up_silu_within_bound():
 
 
 def test_group_qkv_rope_kv_write_within_bound():
-    """The QKV form at a tiny attention shape (2 query heads, 1 KV head, head_dim 32: 128 rows, K
+    """The QKV form at a tiny attention shape (2 query heads, 1 KV head, head_dim 64: 256 rows, K
     512) and position 37: q, the K slot and the V slot against float64 of W x + bias rotated with
     the same float32 cos/sin tables. Bound: each row's GEMV bound (group_bound) and the bias add's
     rounding, carried through the rotation (|cos|, |sin| <= 1: e1 + e2), the rotation's own
     roundings (an FMA and a product: 4 u32 (|x1| + |x2|)), and the float16 store of K and V."""
+    from pynanoqwen.kernels.kv_layout import swizzle_rows
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, k, position = 2, 1, 32, 512, 37
+    heads, kv_heads, head_dim, k, position = 2, 1, 64, 512, 37
     n, half = (heads + 2 * kv_heads) * head_dim, head_dim // 2
     qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
     x = rng.standard_normal(k).astype(np.float16)
@@ -128,10 +129,10 @@ def test_group_qkv_rope_kv_write_within_bound():
     rotated = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], 1)
     rotation_bound = np.concatenate([e1 + e2 + 4 * U32 * (np.abs(x1) + np.abs(x2))] * 2, 1)
     assert np.all(np.abs(q.copy_to_host().reshape(heads, head_dim) - rotated[:heads]) <= rotation_bound[:heads])
-    k_slot = k_pages.copy_to_host()[0, 0, 5].astype(np.float64)
+    k_slot = swizzle_rows(k_pages.copy_to_host()[0, 0])[5].astype(np.float64)  # dim order: kernels/kv_layout.py
     k_bound = rotation_bound[heads] + 2.0**-11 * np.abs(rotated[heads]) + 2.0**-25
     assert np.all(np.abs(k_slot - rotated[heads]) <= k_bound)
-    v_slot = v_pages.copy_to_host()[0, 0, 5].astype(np.float64)
+    v_slot = swizzle_rows(v_pages.copy_to_host()[0, 0])[5].astype(np.float64)
     v_bound = errors[heads + 1] + 2.0**-11 * np.abs(parts[heads + 1]) + 2.0**-25
     assert np.all(np.abs(v_slot - parts[heads + 1]) <= v_bound)
     assert np.isnan(k_pages.copy_to_host()[0, 0, 4]).all()  # nothing else written

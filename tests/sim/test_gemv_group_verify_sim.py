@@ -105,11 +105,11 @@ def test_verify_with_chains_and_split_k(tokens, splits, depth):
 def test_verify_qkv_rope_is_the_decode_bits(tokens, position, norm):
     """The QKV form: tokens at positions position + m (crossing a page boundary), q and every
     position's K and V slots bit for bit what gemv_group's RoPE form writes for each token alone
-    (2 query heads, 1 KV head, head_dim 32, K 512)."""
+    (2 query heads, 1 KV head, head_dim 64, K 512)."""
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, k = 2, 1, 32, 512
+    heads, kv_heads, head_dim, k = 2, 1, 64, 512  # the pages' layout spans 64 dims (kernels/kv_layout.py)
     n = (heads + 2 * kv_heads) * head_dim
     qweight, scales = quantize_int4(rng.standard_normal((n, k)).astype(np.float32))
     x = rng.standard_normal((tokens, k)).astype(np.float32 if norm else np.float16)

@@ -299,6 +299,7 @@ def test_qkv_rope_kv_write(path, k, plan):
     through the rotation (|cos| e1 + |sin| e2 <= e1 + e2), the rotation's own float32 rounding
     (16 u32 (|x1| + |x2|), as kernels/rope_kv_write's tests), and for K/V the FP16 store
     (u16 |y| + 2^-25)."""
+    from pynanoqwen.kernels.kv_layout import swizzle_rows
     from pynanoqwen.kernels.page_alloc import PAGE_SIZE as PAGE
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
@@ -328,7 +329,9 @@ def test_qkv_rope_kv_write(path, k, plan):
     rotated = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], 1)
     rot_bound = np.tile(error[:, :half] + error[:, half:] + 16 * U32 * (np.abs(x1) + np.abs(x2)), 2)
     page, slot = page_table[position // PAGE], position % PAGE
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    # In dim order (kernels/kv_layout.py), the init too, so that untouched slots compare alike.
+    k_got, v_got = swizzle_rows(k_pages.copy_to_host()), swizzle_rows(v_pages.copy_to_host())
+    k_init, v_init = swizzle_rows(k_init), swizzle_rows(v_init)
     assert np.all(np.abs(q.copy_to_host() - rotated[:heads]) <= rot_bound[:heads])
     k_rot = rotated[heads:heads + kv_heads]
     assert np.all(np.abs(k_got[page, :, slot] - k_rot) <= rot_bound[heads:heads + kv_heads]
@@ -350,7 +353,7 @@ def test_qkv_rope_whole_tile_plans_give_the_same_bits(path):
     from pynanoqwen.kernels.rope_kv_write import rope_cos_sin
 
     rng = np.random.default_rng()
-    heads, kv_heads, hd, pages, k = 2, 1, 16, 3, 256  # 32 row-pair tiles
+    heads, kv_heads, hd, pages, k = 1, 1, 64, 3, 256  # 96 row-pair tiles (64 dims: kernels/kv_layout.py)
     n = (heads + 2 * kv_heads) * hd
     qweight, scales, _ = random_linear(rng, n, k)
     bias = rng.standard_normal(n).astype(np.float16)
@@ -358,7 +361,7 @@ def test_qkv_rope_whole_tile_plans_give_the_same_bits(path):
     position = int(rng.integers(0, pages * PAGE))
     page_table = cuda.to_device(rng.permutation(pages).astype(np.int32))
     cos, sin = (cuda.to_device(t) for t in rope_cos_sin(hd, 10000.0, pages * PAGE))
-    plans = [GemvPlan(rows=2, depth=4, warps=1, blocks_per_sm=1), GemvPlan(rows=2, depth=4, warps=4, blocks_per_sm=4)]
+    plans = [GemvPlan(rows=2, depth=4, warps=1, blocks_per_sm=1), GemvPlan(rows=2, depth=4, warps=8, blocks_per_sm=6)]
     tiles_a_warp = [-(-(n // 2) // (plan.grid(n, sm_count()) * plan.warps)) for plan in plans]
     assert tiles_a_warp[0] > 1 and tiles_a_warp[1] == 1, tiles_a_warp
     outputs = []

@@ -6,6 +6,7 @@ nothing) and the decode step's one token (launch, the one-row case), against one
 import numpy as np
 from numba import cuda
 
+from pynanoqwen.kernels.kv_layout import swizzle_rows
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE
 from pynanoqwen.kernels.rope_kv_write import make_rope_kv_write, rope_cos_sin
 from simulated import FP16_HALF_ULP, FP32_EPS, run, device_int
@@ -22,7 +23,7 @@ def rope64(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
 
 def test_a_chunk_is_rotated_and_written_at_its_positions_only():
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context, theta = 4, 2, 16, 96, 10000.0
+    heads, kv_heads, head_dim, max_context, theta = 4, 2, 64, 96, 10000.0
     half, pages, rows = head_dim // 2, max_context // PAGE_SIZE, 24
     start, m = int(rng.integers(0, 40)), int(rng.integers(1, rows))  # m < R: padding rows exist
     qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
@@ -46,7 +47,9 @@ def test_a_chunk_is_rotated_and_written_at_its_positions_only():
     # cos/sin are float32 (one rounding each), then two products and a sum in float32.
     np.testing.assert_array_less(np.abs(q_got[:m] - q_expected), 8 * FP32_EPS * pair_size[:, :heads] + 1e-30)
     assert np.isnan(q_got[m:]).all(), "padding rows wrote q"
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    # In dim order (kernels/kv_layout.py), the init too, so that untouched slots compare alike.
+    k_got, v_got = swizzle_rows(k_pages.copy_to_host()), swizzle_rows(v_pages.copy_to_host())
+    k_init, v_init = swizzle_rows(k_init), swizzle_rows(v_init)
     page, slot = page_table[positions // PAGE_SIZE], positions % PAGE_SIZE
     np.testing.assert_array_less(np.abs(k_got[page, :, slot].astype(np.float64) - k_expected),
                                  FP16_HALF_ULP * np.abs(k_expected) + 8 * FP32_EPS * pair_size[:, heads:heads + kv_heads]
@@ -61,7 +64,7 @@ def test_a_chunk_is_rotated_and_written_at_its_positions_only():
 def test_one_decode_token_is_the_one_row_case():
     """launch(): a 1-D qkv at position pos[0] -> q [heads, head_dim] and that position's slot."""
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context, theta = 4, 2, 16, 64, 10000.0
+    heads, kv_heads, head_dim, max_context, theta = 4, 2, 64, 64, 10000.0
     half, pages = head_dim // 2, max_context // PAGE_SIZE
     position = int(rng.integers(0, max_context))
     qkv = rng.standard_normal((heads + 2 * kv_heads) * head_dim).astype(np.float32)
@@ -79,7 +82,9 @@ def test_one_decode_token_is_the_one_row_case():
     rotated = rope64(parts, np.array([position]), theta)[0]
     np.testing.assert_array_less(np.abs(q.copy_to_host() - rotated[:heads]), 8 * FP32_EPS * pair_size[:heads] + 1e-30)
     page, slot = page_table[position // PAGE_SIZE], position % PAGE_SIZE
-    k_got, v_got = k_pages.copy_to_host(), v_pages.copy_to_host()
+    # In dim order (kernels/kv_layout.py), the init too, so that untouched slots compare alike.
+    k_got, v_got = swizzle_rows(k_pages.copy_to_host()), swizzle_rows(v_pages.copy_to_host())
+    k_init, v_init = swizzle_rows(k_init), swizzle_rows(v_init)
     k_rot = rotated[heads:heads + kv_heads]
     np.testing.assert_array_less(np.abs(k_got[page, :, slot].astype(np.float64) - k_rot),
                                  FP16_HALF_ULP * np.abs(k_rot) + 8 * FP32_EPS * pair_size[heads:heads + kv_heads]
