@@ -86,7 +86,7 @@ def test_page_alloc_range_over_chunks_builds_the_table_decode_would():
 def test_chunked_kv_write_leaves_the_pages_decode_would():
     """Two chunks of prefill and n decode steps, from the same qkv rows: identical K/V pages."""
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context = 2, 1, 8, 64
+    heads, kv_heads, head_dim, max_context = 2, 1, 64, 64  # 64: the pages' layout spans 64 dims
     pages, rows = max_context // PAGE_SIZE, 32
     n = int(rng.integers(PAGE_SIZE + 2, 2 * rows))
     cut = int(rng.integers(max(1, n - rows), min(rows, n - 1) + 1))  # two chunks, each fits R = 32 rows
