@@ -29,10 +29,10 @@ from numba.core import types
 from harness import LINEARS_7B, check_gemm, run, time_calls, time_product_gemm
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
-from pynanoqwen.kernels.gemm_int4 import allow_dynamic_shared, gemm_signature
-from pynanoqwen.kernels.gemm_int4_tiles import STATIC_SHARED_BYTES
+from pynanoqwen.kernels.gemm_int4 import gemm_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, unpack_fragments
 from pynanoqwen.kernels.int4_unpack import PAIR_CONSTANTS
+from pynanoqwen.launch import launch
 from pynanoqwen.oracles import U32
 from pynanoqwen.ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group
 from pynanoqwen.ptx.wgmma import SWIZZLE_ATOM_BYTES, fence_proxy_async_shared, shared_byte_address, \
@@ -164,12 +164,10 @@ class SplitKGemm:
 
     def launch(self, stream, x, out) -> None:
         m, tiles = x.shape[0], self.tiles
-        if tiles.dynamic_shared_bytes > STATIC_SHARED_BYTES:
-            allow_dynamic_shared(self.kernel, out.dtype, tiles.dynamic_shared_bytes)
         grid = (-(-m // tiles.tokens), self.n // tiles.block_n, tiles.splits)
-        self.kernel[grid, tiles.threads, stream, tiles.dynamic_shared_bytes](
-            x.reshape(x.size).view(np.uint32), U(m), self.q, self.s, self.q, self.s, self.unused_bias,
-            out.reshape(out.size))
+        launch(self.kernel, grid, tiles.threads, stream,
+               (x.reshape(x.size).view(np.uint32), U(m), self.q, self.s, self.q, self.s, self.unused_bias,
+                out.reshape(out.size)), tiles.dynamic_shared_bytes, dependent=False)
 
 
 def compile_targets() -> list[CompileTarget]:

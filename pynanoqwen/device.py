@@ -21,6 +21,10 @@ from collections.abc import Iterator
 from .errors import NanoQwenError
 
 MIN_COMPUTE_CAPABILITY = (9, 0)  # Hopper: the kernels use wgmma, TMA bulk copies and mbarriers
+STATIC_SHARED_BYTES = 48 * 1024
+"""A block's shared memory without asking: all of its static arrays (cuda.shared.array) together,
+and the dynamic shared memory a launch gets unless the function's limit is raised first
+(launch.launch raises it)."""
 
 
 def cuda_gpu_available() -> bool:

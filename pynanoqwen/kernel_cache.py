@@ -7,9 +7,9 @@ s a prefill kernel on the 2-core development machine (tests/test_kernels_compile
 2026-12-06, evening; how much of that is compiling was not measured apart), and `generate`,
 `bench` and the GPU tests compile at every start.
 
-What. `attach` gives a dispatcher a `KernelCache` before its first compile: `launch.launch` on a
-compile miss, and the builders of the kernels numba's own `kernel[grid, block]` launches. Numba
-asks it for a compiled kernel (`load_overload`) before compiling, and hands it what it compiled
+What. `attach` gives a dispatcher a `KernelCache` before its first compile: `launch.launch`, which
+every kernel of the package goes through, attaches on a compile miss. Numba asks it for a
+compiled kernel (`load_overload`) before compiling, and hands it what it compiled
 (`save_overload`): the duck-typed protocol of numba-cuda's own disk cache, whose key cannot serve
 here. Numba keys a kernel by its bytecode and the pickled contents of its closure, and pickling a
 device function in a closure writes its dispatcher's per-process random uuid: every kernel built
@@ -182,8 +182,8 @@ class KernelCache:
 def attach(dispatcher):
     """Give `dispatcher` (a `cuda.jit` kernel) this cache before its first compile, and return it:
     every later compile of it, by any launch path, goes through the cache. launch.launch attaches
-    each kernel it compiles; a kernel launched with numba's own `kernel[grid, block]` is attached
-    where it is built. Once a dispatcher; nothing under the CUDA simulator or when the cache is off."""
+    each kernel it compiles. Once a dispatcher; nothing under the CUDA simulator or when the cache
+    is off."""
     from .ptx import SIMULATOR
 
     if SIMULATOR or isinstance(getattr(dispatcher, "_cache", None), KernelCache):

@@ -30,6 +30,7 @@ from cuda.core import launch as core_launch
 from numba.cuda.cudadrv import driver
 
 from . import kernel_cache
+from .device import STATIC_SHARED_BYTES
 from .ptx import SIMULATOR
 
 _programmatic = [True]  # plain_launches() turns PDL off for a comparison (bench)
@@ -57,7 +58,6 @@ def _specialization(dispatcher, args):
     return dispatcher.compile(types)
 
 
-STATIC_SHARED_BYTES = 48 * 1024  # dynamic shared memory beyond this needs the function's limit raised
 _raised_limits: set = set()  # compiled kernels whose dynamic shared-memory limit is raised already
 
 

@@ -17,7 +17,7 @@ import functools
 from numba import cuda, float32
 from numba.core import types
 
-from .. import kernel_cache
+from ..launch import launch
 from . import CompileTarget
 
 THREADS = 128
@@ -42,13 +42,13 @@ class EmbeddingRows:
     """The embedding of a chunk of tokens for one hidden size; `launch` enqueues it on a stream."""
 
     def __init__(self, hidden_size: int):
-        self.kernel = kernel_cache.attach(_embedding_rows_kernel(hidden_size))
+        self.kernel = _embedding_rows_kernel(hidden_size)
         self.grid_x = -(-hidden_size // THREADS)
 
     def launch(self, stream, table, tokens, start, m, h) -> None:
         """table float16 [vocab, hidden], tokens int32 [>= start + m], start, m int32 [1]
         -> h float32 [R, hidden] (R = rows of the bucket, >= m; rows >= m are zeroed)."""
-        self.kernel[(self.grid_x, h.shape[0]), THREADS, stream](table, tokens, start, m, h)
+        launch(self.kernel, (self.grid_x, h.shape[0]), THREADS, stream, (table, tokens, start, m, h), dependent=False)
 
 
 def make_embedding_rows(hidden_size: int) -> EmbeddingRows:

@@ -84,14 +84,14 @@ import numpy as np
 from numba import cuda, float32, uint32
 from numba.core import types
 
-from .. import kernel_cache
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
 from ..device import sm_count
+from ..launch import launch
 from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_async_wait_group, \
     ld_shared_v4_u32, mma_m16n8k16
 from . import CompileTarget, on_device
-from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, STATIC_SHARED_BYTES, TILE_NAMES, \
+from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, TILE_NAMES, \
     TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, k_chunks, matrices_of
 from .gemm_int4_wgmma import WgmmaTile, has_split_form, wgmma_gemm_kernel
 from .int4_unpack import unpack8
@@ -272,7 +272,7 @@ def mma_sync_gemm_kernel(n: int, k: int, tiles: TileShape, epilogue: str):
                             else:
                                 out[row * U(n) + col + U(e)] = value
 
-    return kernel_cache.attach(gemm_int4)  # launched with numba's own launch (GemmTiling.launch)
+    return gemm_int4
 
 
 def _weights(n: int, k: int, qweight, scales):
@@ -285,25 +285,6 @@ def _weights(n: int, k: int, qweight, scales):
     q = on_device(qweight, np.uint32).reshape(n * k // 8)
     s = on_device(scales, np.float16).reshape(n * k // GROUP_SIZE).view(np.uint16)
     return q, s
-
-
-_shared_limits_raised: set = set()  # (kernel, output dtype) whose limit is already raised
-
-
-def allow_dynamic_shared(kernel, out_dtype, nbytes: int) -> None:
-    """Compile `kernel` for its `out_dtype` signature (if not yet) and let it take `nbytes` of
-    dynamic shared memory: beyond 48 KiB a launch fails unless the function's limit is raised
-    first (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). Once per kernel build; a kernel is
-    built for one tile, so nbytes is the same at every call."""
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    if (kernel, out_dtype) in _shared_limits_raised:
-        return
-    signature = gemm_signature(types.float16 if out_dtype == np.float16 else types.float32)
-    function = kernel.compile(signature)._codelibrary.get_cufunc()
-    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attribute, nbytes, function.handle, function.device.id)
-    _shared_limits_raised.add((kernel, out_dtype))
 
 
 class GemmTiling:
@@ -335,11 +316,10 @@ class GemmTiling:
         split = has_split_form(tiles, chunks) and workspace is not None \
             and workspace.fits(grid, tiles.block_m, self.n, chunks) and grid[0] * grid[1] < sm_count()
         partials, counters = (workspace.partials, workspace.counters) if split else self._no_workspace
-        shared = tiles.dynamic_shared_bytes
-        if shared > STATIC_SHARED_BYTES:
-            allow_dynamic_shared(kernel, out.dtype, shared)
-        kernel[grid + ((chunks,) if split else ()), tiles.threads, stream, shared](
-            x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias, out.reshape(out.size), partials, counters)
+        # A plain launch: prefill's kernels wait for nothing, graph edges order them.
+        launch(kernel, grid + ((chunks,) if split else ()), tiles.threads, stream,
+               (x.reshape(x.size).view(np.uint32), U(m), q0, s0, q1, s1, bias, out.reshape(out.size), partials,
+                counters), tiles.dynamic_shared_bytes, dependent=False)
 
 
 class SplitWorkspace:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import GROUP_SIZE
+from ..device import STATIC_SHARED_BYTES
 from .gemm_int4_wgmma import GemmTile, WgmmaTile
 
 K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
 A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
 B_ROW_WORDS = K_TILE // 8  # packed words of one weight row in a stage (16 bytes)
 TILES_PER_GROUP = GROUP_SIZE // K_TILE  # k tiles sharing one scale
-STATIC_SHARED_BYTES = 48 * 1024  # a block's static shared memory (cuda.shared.array) limit
 
 
 @dataclasses.dataclass(frozen=True)

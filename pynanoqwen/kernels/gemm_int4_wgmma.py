@@ -87,7 +87,6 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint32
 
-from .. import kernel_cache
 from ..config import GROUP_SIZE
 from ..ptx.half2 import fma_f16x2
 from ..ptx.loads import ld_global_cg_f32
@@ -446,4 +445,4 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
                                 out[at + col_a] = first
                                 out[at + col_b] = second
 
-    return kernel_cache.attach(gemm_int4_wgmma)  # launched with numba's own launch (gemm_int4.GemmTiling)
+    return gemm_int4_wgmma

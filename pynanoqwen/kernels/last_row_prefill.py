@@ -20,7 +20,7 @@ import functools
 from numba import cuda
 from numba.core import types
 
-from .. import kernel_cache
+from ..launch import launch
 from . import CompileTarget
 
 THREADS = 128
@@ -44,12 +44,12 @@ class LastRow:
     """The prefill-to-decode hand-over for one hidden size; `launch` enqueues it on a stream."""
 
     def __init__(self, hidden_size: int):
-        self.kernel = kernel_cache.attach(_last_row_kernel(hidden_size))
+        self.kernel = _last_row_kernel(hidden_size)
         self.grid = -(-hidden_size // THREADS)
 
     def launch(self, stream, h_rows, start, m, h, pos) -> None:
         """h_rows float32 [>= m, hidden], start, m int32 [1] -> h float32 [hidden], pos int32 [1]."""
-        self.kernel[self.grid, THREADS, stream](h_rows, start, m, h, pos)
+        launch(self.kernel, self.grid, THREADS, stream, (h_rows, start, m, h, pos), dependent=False)
 
 
 def make_last_row(hidden_size: int) -> LastRow:

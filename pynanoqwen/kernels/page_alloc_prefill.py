@@ -22,7 +22,7 @@ from __future__ import annotations
 from numba import cuda
 from numba.core import types
 
-from .. import kernel_cache
+from ..launch import launch
 from . import PAGE_SIZE, CompileTarget
 
 THREADS = 128
@@ -45,11 +45,11 @@ class PageAllocRange:
         """start, m int32 [1] (positions start .. start + m - 1), page_table int32 [max_pages],
         free_pages int32 [max_pages], next_free_page int32 [1] (page_table and next_free_page
         updated)."""
-        page_alloc_range[1, THREADS, stream](start, m, page_table, free_pages, next_free_page)
+        launch(page_alloc_range, 1, THREADS, stream, (start, m, page_table, free_pages, next_free_page),
+               dependent=False)
 
 
 def make_page_alloc_range() -> PageAllocRange:
-    kernel_cache.attach(page_alloc_range)  # launched with numba's own launch
     return PageAllocRange()
 
 
