@@ -69,7 +69,7 @@ tokens (8.0 at 545), of which the cross-block merge is still the largest part: f
 partials meeting to attn written, 4.1 us at 545 tokens on an H100, 1.8 of them the split's partial
 stored and fenced, where a block without pages fences in 0.5 (the store's round trip, not the
 kind of fence: fence.acq_rel or thread 0 alone measured the same). Those figures predate the
-swizzled pages, which took 0.7 us off a launch at 512 tokens and 2.6 at 32000 (kernels/kv_layout.py).
+swizzled pages (docs/PERFORMANCE.md, "2026-12-06, morning: K/V pages stored swizzled").
 Merging in a cluster (dev/attention_cluster_merge.py) saves nothing at 16 tokens and costs 2.7 to
 7.8 us more at 512 and 11 to 32 us at 32000, in clusters of 2, 4 or 8 blocks.
 """

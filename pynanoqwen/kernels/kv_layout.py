@@ -12,9 +12,8 @@ matrix are 8 consecutive rows of one chunk column. Stored row by row they are 25
 in the same four banks: an 8-way bank conflict in every ldmatrix, ~512 shared-memory cycles a
 page. Swizzled, the 8 rows of a column sit in 8 different chunks of their 128 bytes, one wavefront
 each, and the copy stays one request a tile (copies that swizzled on the way in cost more at long
-contexts: docs/PERFORMANCE.md, "Decode attention, 2026-12-04"). Measured on an H100 before the
-product took it (dev variant, 28 launches in a graph): 7.8 -> 7.1 us a launch at 512 tokens,
-12.0 -> 10.7 at 4096, 22.3 -> 19.3 at 16384, 33.4 -> 30.8 at 32000 (docs/PERFORMANCE.md).
+contexts: docs/PERFORMANCE.md, "Decode attention, 2026-12-04"). What it gained, a launch and a
+decode step: docs/PERFORMANCE.md, "2026-12-06, morning: K/V pages stored swizzled".
 
 Who follows it: the writers (the QKV GEMV's RoPE epilogue, kernels/gemv_int4_kernel.py, and
 kernels/rope_kv_write.py) store through `stored_dim`; the readers (kernels/attention_decode.py's
