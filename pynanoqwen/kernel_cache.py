@@ -28,7 +28,7 @@ by a factory (all of ours) would miss in every new process. This cache's key is 
 A file per (kernel, argument types), named by the key's hash, holds numba's own serialised kernel
 (PTX and cubin), written to a temporary name and renamed into place. A file that cannot be read or
 written costs a compile, never the run. tests/test_kernel_cache.py's GPU test prints a cold and a
-warm start's seconds; it has not run on a GPU yet, so no saving has been measured.
+warm start's seconds (docs/PERFORMANCE.md, "2026-12-06, morning": what it saved there).
 
 Where: $PYNANOQWEN_KERNEL_CACHE, else $XDG_CACHE_HOME/pynanoqwen/kernels, else
 ~/.cache/pynanoqwen/kernels; PYNANOQWEN_KERNEL_CACHE=off compiles everything afresh. Nothing
