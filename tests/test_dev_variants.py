@@ -16,6 +16,7 @@ import attention_one_fence
 import gemm_k_chunks
 import gemm_mma_sync_large
 import gemm_wgmma_split_k
+import gemm_wgmma_tma
 import gemv_bulk_ring
 import gemv_group
 import gemv_group_verify
@@ -26,10 +27,11 @@ import unfused_norm
 from harness import print_table
 from test_kernels_compile import assemble_sm90
 
-VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_k_chunks, unfused_norm, attention_cluster_merge,
-            attention_one_fence, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain, gemv_group,
+VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_wgmma_tma, gemm_k_chunks, unfused_norm,
+            attention_cluster_merge, attention_one_fence, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain, gemv_group,
             gemv_group_verify]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets() + gemm_k_chunks.compile_targets()
+           + gemm_wgmma_tma.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
            + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets()
            + megakernel_gemv_chain.compile_targets() + gemv_group.compile_targets()

@@ -1,0 +1,531 @@
+"""The wgmma INT4 GEMM fed by the Tensor Memory Accelerator: one producer lane, no copy arithmetic in
+the consumer warps, an mbarrier pair a stage instead of a block barrier a k tile.
+
+The product's prefill GEMM (pynanoqwen/kernels/gemm_int4_wgmma.py; read it first) stops near 60%
+of the tensor cores' rate. Nsight Compute (docs/PERFORMANCE.md, "Prefill, 2026-12-03") found it
+bound by instruction issue and latency with two warps a scheduler: ~309 executed instructions a
+warp and k tile, of which the unpack is ~70 and the 16-byte cp.async copies of X and W, their
+addresses and predicates, and the block barrier that publishes them, most of the rest (after
+copy_plan, the k loop of gate_up at 128 x 128 is still 347 PTX instructions for two k tiles:
+dev/ptx_loop_mix.py). Here the copies are the copy engine's:
+
+- a producer warp (the block's last; its lane 0) issues, for each k tile, two or three
+  `cp.async.bulk.tensor.2d` copies (TMA, PTX ISA "cp.async.bulk.tensor"): the X tile (64 k x
+  TOKENS tokens of FP16, written in the 128-byte swizzle that the wgmma descriptor reads; the
+  tensor map's SWIZZLE_128B is that same pattern, chunk c of row r at c ^ (r % 8)) and the W tile
+  (8 packed words x ROWS weight rows; for gate/up a box of the gate rows and one of the up rows);
+  rows past M come in as zeros, as the product's zero-filling copies give them;
+- the stage's `full` mbarrier (one arrival, the producer's expect_tx, plus the boxes' bytes) tells
+  the consumers the tile has landed, in both proxies: the consumers' ld.shared of W and their
+  wgmmas' reads of X need no fence;
+- each consumer thread arrives on the stage's `empty` mbarrier once wgmma_wait_group(1) in the
+  next k tile says the tile's wgmmas are done (its W words went to registers before they were
+  issued), and the producer waits for it before refilling the stage.
+
+The consumers do what the product's do, in the same order: unpack the lane's pairs, fence, the 4
+(8 at 256 tokens) wgmmas of the tile as one group, wait for the previous group; K in the same fixed
+chunks (sequential form), the same epilogues. So every accumulator sums the same products in the
+same order, and `check` asks for the product's bits, not only float64's bound.
+
+Tensor maps. A map describes a 2-D array in global memory (dims, row stride, box, swizzle); the
+host encodes it with the driver's cuTensorMapEncodeTiled and copies its 128 bytes to device memory,
+where the kernel's copies name it by address (a `__grid_constant__` parameter, CUDA C++'s way,
+has no Numba spelling). The producer's `fence.proxy.tensormap::generic.acquire` makes the bytes
+written through the ordinary proxy visible to the copy engine's. X's map holds M (rows past it
+read as zeros) and the buffer's address, so it is encoded per (buffer, M): an engine would keep
+one per captured prompt bucket.
+
+Measured on an H100 (docs/PERFORMANCE.md, "Prefill GEMM fed by TMA"): the same bits as the
+product's kernel at every 7B linear and tile, and 3-9% faster at the 128 x 128 tile (gate_up 254.5
+against 272.6 us at 512 tokens, 1013.9 against 1111.5 at 2048; down_proj 144.7 against 153.5 and
+590.8 against 611.4), no faster at 64 x 128 (qkv at 512: 43.1 against 42.0), and slower with 6
+stages than with 4 everywhere. The predicted 10-30% assumed the copies were most of the consumers'
+instructions; the PTX says otherwise: the k loop of gate_up at 128 x 128 is 311 instructions for
+two k tiles here against the product's 347, the unpack (fma 64, and 50, prmt 32) being most of
+both. Not in the product for that reason and two more: the producer warp makes a block of two
+warpgroups 9 warps, 3 of them on one scheduler, so ptxas may give a thread only 168 registers
+(65536 / 4 schedulers / 3 warps / 32 lanes): the 256-token tiles (196-208 registers unbounded) and
+the K-chunked 128-token tile (212) spill 68-208 bytes there, and without the bound their launches
+failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); and an engine would need a tensor map per prompt bucket
+and buffer. The 256-token tiles are not timed; down_proj's 128 x 128 tile (K in 4 chunks) is,
+spilling. (tests/test_dev_variants.py compiles the Python function, without the launch bound, so
+it sees the unbounded register counts.)
+
+    python dev/gemm_wgmma_tma.py
+
+`check` runs every 7B linear at 7 and 512 tokens against float64 (the product's bound), and at 512
+and 2048 tokens against the product's own bits on each timed tile with the same K chunks;
+`timings` gives us a call of the product's default tile and of this kernel's tiles, weights
+rotated through twice the L2, as bench's GEMM table times them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, float32, types, uint32, uint64
+from numba.cuda.extending import intrinsic
+
+from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, product_gemm, random_int4, run, time_calls, \
+    time_product_gemm
+from pynanoqwen.config import GROUP_SIZE
+from pynanoqwen.kernels import CompileTarget
+from pynanoqwen.kernels.call_free import silu
+from pynanoqwen.kernels.gemm_int4 import _weights
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG1_T128, WG2_T128, default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
+    check_chunks, dequantize_pair
+from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
+    SELECT_BYTES_0_1, SELECT_BYTES_2_3
+from pynanoqwen.launch import launch
+from pynanoqwen.oracles import passed
+from pynanoqwen.ptx import SIMULATOR, simulator_twin
+from pynanoqwen.ptx.bulk_copy import SIMULATED_COPY_DELAY
+from pynanoqwen.ptx.mbarrier import barrier_address, complete_tx_simulated, fence_barrier_init, inline_ptx, \
+    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, shared_address
+from pynanoqwen.ptx.mma import _element_pointer, _is_words, ld_shared_v4_u32
+from pynanoqwen.ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_commit_group, \
+    wgmma_f16, wgmma_fence, wgmma_wait_group
+
+U = np.uint32
+TENSOR_MAP_WORDS = 16  # a CUtensorMap: 128 opaque bytes, 64-byte aligned (device allocations are)
+SWIZZLED_ROW_BYTES = 128  # the 128-byte swizzle's row: an X box row is one
+
+
+# --- The copy: cp.async.bulk.tensor.2d and its simulator twin ------------------------------------
+
+_simulated_maps: dict[int, tuple] = {}  # the simulator's tensor maps: key -> (array, box_inner, box_rows, swizzle)
+_map_keys = itertools.count(1)
+
+
+def tensor_map(array, box_inner: int, box_rows: int, swizzle: bool, rows: int | None = None):
+    """A device copy of the tensor map of 2-D `array` (rows x inner elements, C order; only its
+    first `rows` rows, all by default): boxes of box_rows x box_inner elements, written to shared
+    memory in the 128-byte swizzle when `swizzle` (box_inner elements must then be 128 bytes),
+    rows and columns past the array read as zeros."""
+    rows = array.shape[0] if rows is None else rows
+    inner = array.shape[1]
+    if SIMULATOR:
+        key = next(_map_keys)
+        _simulated_maps[key] = (getattr(array, "_ary", array), rows, box_inner, box_rows, swizzle)
+        words = np.zeros(TENSOR_MAP_WORDS, np.uint64)
+        words[0] = key
+        return cuda.to_device(words)
+    from cuda.bindings import driver as cu
+
+    dtypes = {np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+              np.dtype(np.uint32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32}
+    swizzle_mode = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else \
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+    error, encoded = cu.cuTensorMapEncodeTiled(
+        dtypes[np.dtype(array.dtype)], 2, array.device_ctypes_pointer.value,
+        [cu.cuuint64_t(inner), cu.cuuint64_t(rows)], [cu.cuuint64_t(inner * array.dtype.itemsize)],
+        [cu.cuuint32_t(box_inner), cu.cuuint32_t(box_rows)], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle_mode,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if error != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled: {error}")
+    return cuda.to_device(np.frombuffer(ctypes.string_at(encoded.getPtr(), 8 * TENSOR_MAP_WORDS), np.uint64).copy())
+
+
+def tensor_copy_2d_simulated(tile, word, tmap, inner, row, bars, index):
+    """The copy engine's box: read at issue, landed (swizzled) a little later, then complete_tx."""
+    source, rows, box_inner, box_rows, swizzle = _simulated_maps[int(tmap[0])]
+    inner, row = int(inner), int(row)
+    box = np.zeros((box_rows, box_inner), source.dtype)
+    if row < rows and inner < source.shape[1]:
+        found = source[row:min(rows, row + box_rows), inner:inner + box_inner]
+        box[:found.shape[0], :found.shape[1]] = found
+    data = box.view(np.uint8).reshape(box_rows, -1)
+    start = 4 * int(word)
+    if start % (SWIZZLE_ATOM_BYTES if swizzle else 128):
+        raise RuntimeError(f"cp.async.bulk.tensor: shared byte {start} is not aligned for this box")
+    if swizzle:
+        if data.shape[1] != SWIZZLED_ROW_BYTES:
+            raise RuntimeError("cp.async.bulk.tensor: a 128-byte swizzle needs 128-byte box rows")
+        chunks = data.reshape(box_rows, 8, 16)
+        swizzled = np.empty_like(chunks)
+        for r in range(box_rows):
+            swizzled[r, np.arange(8) ^ (r % 8)] = chunks[r]
+        data = swizzled
+    payload = data.reshape(-1).copy()
+    target = tile.view(np.uint8)
+    if start + payload.size > target.size:
+        raise RuntimeError("cp.async.bulk.tensor: the box overruns the shared tile")
+
+    def land():
+        target[start:start + payload.size] = payload
+        complete_tx_simulated(bars, index, payload.size)
+
+    threading.Timer(SIMULATED_COPY_DELAY, land).start()
+
+
+@simulator_twin(tensor_copy_2d_simulated)
+@intrinsic
+def tensor_copy_2d(typingctx, tile, word, tmap, inner, row, bars, index):
+    """Copy the box at (inner, row) of the tensor map at tmap (a device uint64[16]) into shared
+    tile[word:], completing its bytes on bars[index]:
+    `cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes` (sm_90)."""
+    if not (_is_words(tile) and isinstance(word, types.Integer) and isinstance(tmap, types.Array)
+            and tmap.dtype == types.uint64 and isinstance(inner, types.Integer) and isinstance(row, types.Integer)
+            and isinstance(bars, types.Array) and bars.dtype == types.uint64 and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        tile_t, word_t, map_t, inner_t, row_t, bars_t, index_t = sig.args
+        tile_v, word_v, map_v, inner_v, row_v, bars_v, index_v = args
+        dst = shared_address(context, builder, _element_pointer(context, builder, tile_t, tile_v, word_t, word_v))
+        map_pointer = context.make_array(map_t)(context, builder, value=map_v).data
+        map_address = builder.ptrtoint(map_pointer, ir.IntType(64))
+        bar = barrier_address(context, builder, bars_t, bars_v, index_t, index_v)
+        inline_ptx(builder, "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                            "[$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}",
+                   [dst, map_address, context.cast(builder, inner_v, inner_t, types.int32),
+                    context.cast(builder, row_v, row_t, types.int32), bar])
+        return context.get_dummy_value()
+
+    return types.void(tile, word, tmap, inner, row, bars, index), codegen
+
+
+def _acquire_map_simulated(tmap):
+    return None
+
+
+@simulator_twin(_acquire_map_simulated)
+@intrinsic
+def acquire_tensor_map(typingctx, tmap):
+    """`fence.proxy.tensormap::generic.acquire.gpu [tmap], 128;`: the map's bytes, written by an
+    ordinary copy, as the copy engine will read them."""
+    if not (isinstance(tmap, types.Array) and tmap.dtype == types.uint64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        pointer = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        inline_ptx(builder, "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
+                   [builder.ptrtoint(pointer, ir.IntType(64))])
+        return context.get_dummy_value()
+
+    return types.void(tmap), codegen
+
+
+# --- The kernel ---------------------------------------------------------------------------------
+
+@functools.cache
+def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1):
+    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out): out[:m] (+)= X W^T with the product's
+    epilogues, X and W through their tensor maps, K summed in `chunks` fixed chunks."""
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    tiles.check(matrices)
+    check_chunks(k, tiles, epilogue, chunks)
+    CHUNKS = chunks
+    TOKENS, ROWS, STAGES = tiles.tokens, tiles.block_n, tiles.stages
+    CONSUMERS = tiles.threads  # the warpgroups' threads; the producer warp follows them
+    PRODUCER_WARP = CONSUMERS // 32
+    COLS = ROWS // matrices
+    if n % COLS or k % GROUP_SIZE:
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
+    WIDTH = min(TOKENS, SHAPES_N[-1])
+    HALVES = TOKENS // WIDTH
+    ACCUMULATORS = WIDTH // 2
+    HALF_WORDS = WIDTH // 8 * (SWIZZLE_ATOM_BYTES // 4)
+    X_STAGE_WORDS = TOKENS * X_ROW_WORDS
+    STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
+    STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
+    GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
+    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
+
+    @cuda.jit(device=True, inline="always")
+    def produce(x_map, w_map0, w_map1, tile, ring, full, empty, m0, n0):
+        """The producer lane: every k tile's boxes, each stage once its consumers released it."""
+        acquire_tensor_map(x_map)
+        acquire_tensor_map(w_map0)
+        if GATE_UP:
+            acquire_tensor_map(w_map1)
+        for kt in range(K_TILES):
+            stage = U(kt % STAGES)
+            # Fill kt // STAGES of this stage needs its consumers' release of the previous fill; in
+            # the first round parity 1 names the phase before phase 0, complete.
+            mbarrier_wait(empty, stage, U(((kt // STAGES) & 1) ^ 1))
+            mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
+            word = ring + stage * U(STAGE_WORDS)
+            tensor_copy_2d(tile, word, x_map, U(kt * K_TILE), m0, full, stage)
+            tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, U(kt * W_ROW_WORDS), n0, full, stage)
+            if GATE_UP:  # the up rows after the gate rows
+                tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, U(kt * W_ROW_WORDS), n0,
+                               full, stage)
+
+    @cuda.jit(device=True, inline="always")
+    def unpack(tile, word_a, word_b, constants, scale_a, scale_b, a):
+        """This lane's A fragments of a k tile (the product's unpack_fragments, its two rows at any
+        two shared words: gate/up's up row is COLS rows after its gate row here, not 8)."""
+        selector, mask, multiplier, offset = constants
+        a0, a1, a2, a3 = ld_shared_v4_u32(tile, word_a)
+        a4, a5, a6, a7 = ld_shared_v4_u32(tile, word_a + U(4))
+        b0, b1, b2, b3 = ld_shared_v4_u32(tile, word_b)
+        b4, b5, b6, b7 = ld_shared_v4_u32(tile, word_b + U(4))
+        row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
+        row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
+        for j in range(4):
+            a[4 * j] = dequantize_pair(row_a[2 * j], selector, mask, multiplier, offset, scale_a)
+            a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
+            a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
+            a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
+
+    @cuda.jit(device=True, inline="always")
+    def consume(tile, ring, full, empty, kt, offset_a, offset_b, constants, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt: wait for its boxes, unpack, issue its wgmmas, and release the stage of kt - 1,
+        whose wgmmas wait_group(1) has just seen done."""
+        stage = kt % U(STAGES)
+        mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
+        word = ring + stage * U(STAGE_WORDS)
+        unpack(tile, word + offset_a, word + offset_b, constants, scale_a, scale_b, a)
+        wgmma_fence()
+        for j in range(4):
+            wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, word + U(8 * j))
+            if HALVES == 2:
+                wgmma_f16(acc_high, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile,
+                          word + U(HALF_WORDS + 8 * j))
+        wgmma_commit_group()
+        wgmma_wait_group(1)
+        if kt > U(0):
+            mbarrier_arrive(empty, (kt - U(1)) % U(STAGES))
+
+    @cuda.jit(device=True, inline="always")
+    def half2_scale(s0, s1, feature, up, group):
+        bits = U(s1[feature * U(GROUPS) + group]) if up else U(s0[feature * U(GROUPS) + group])
+        return bits | (bits << U(16))
+
+    # The block must fit the SM's 65536 registers. Without a bound ptxas gave the 256-token and the
+    # K-chunked tiles more than 288 threads (the producer warp's 32 included) can have, and their
+    # launches failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); .maxntid tells it the block.
+    @cuda.jit(launch_bounds=(CONSUMERS + 32, 1))
+    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out):
+        tile = cuda.shared.array(0, uint32)
+        full = cuda.shared.array(STAGES, uint64)
+        empty = cuda.shared.array(STAGES, uint64)
+        tid = U(cuda.threadIdx.x)
+        m = U(m)
+        m0 = U(cuda.blockIdx.x) * U(TOKENS)
+        n0 = U(cuda.blockIdx.y) * U(COLS)
+        base = shared_byte_address(tile, U(0))
+        ring = ((U(SWIZZLE_ATOM_BYTES) - base % U(SWIZZLE_ATOM_BYTES)) % U(SWIZZLE_ATOM_BYTES)) // U(4)
+        if tid == U(0):
+            for s in range(STAGES):
+                mbarrier_init(full, s, 1)  # the producer's arrive.expect_tx; the boxes add their bytes
+                mbarrier_init(empty, s, CONSUMERS)  # every consumer thread, after its wgmma wait
+            fence_barrier_init()
+        cuda.syncthreads()
+        if tid // U(32) == U(PRODUCER_WARP):
+            if tid % U(32) == U(0):
+                produce(x_map, w_map0, w_map1, tile, ring, full, empty, m0, n0)
+            return
+
+        a_even = cuda.local.array(16, uint32)
+        a_odd = cuda.local.array(16, uint32)
+        acc = cuda.local.array(ACCUMULATORS, float32)
+        acc_high = cuda.local.array(ACCUMULATORS, float32)
+        total = cuda.local.array(ACCUMULATORS, float32)
+        lane = tid % U(32)
+        warp = tid // U(32)
+        g, t = lane // U(4), lane % U(4)
+        if GATE_UP:  # warp w: gate columns 8w..8w+7 (fragment rows g), their up rows (g + 8)
+            col_a = col_b = warp * U(8) + g
+            row_b = U(COLS) + col_a
+        else:
+            col_a = warp * U(16) + g
+            col_b = col_a + U(8)
+            row_b = col_b
+        offset_a = U(X_STAGE_WORDS) + col_a * U(W_ROW_WORDS)
+        offset_b = U(X_STAGE_WORDS) + row_b * U(W_ROW_WORDS)
+        constants = (SELECT_BYTES_0_1 if t < U(2) else SELECT_BYTES_2_3,
+                     LOW_NIBBLES if t % U(2) == U(0) else HIGH_NIBBLES,
+                     ONE if t % U(2) == U(0) else ONE_SIXTEENTH,
+                     MINUS_1032 if t % U(2) == U(0) else MINUS_72)
+        for c in range(ACCUMULATORS):
+            acc[c] = float32(0)
+            acc_high[c] = float32(0)
+        up_b = GATE_UP
+        next_a = half2_scale(s0, s1, n0 + col_a, False, U(0))
+        next_b = half2_scale(s0, s1, n0 + col_b, up_b, U(0))
+        for chunk in range(CHUNKS):
+            first, end = chunk * GROUPS // CHUNKS, (chunk + 1) * GROUPS // CHUNKS
+            for g_index in range(first, end):
+                group = U(g_index)
+                scale_a, scale_b = next_a, next_b
+                if group + U(1) < U(GROUPS):
+                    next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
+                    next_b = half2_scale(s0, s1, n0 + col_b, up_b, group + U(1))
+                kt = group * U(TILES_PER_GROUP)
+                consume(tile, ring, full, empty, kt, offset_a, offset_b, constants, scale_a, scale_b, a_even, acc,
+                        acc_high)
+                consume(tile, ring, full, empty, kt + U(1), offset_a, offset_b, constants, scale_a, scale_b, a_odd,
+                        acc, acc_high)
+            if CHUNKS > 1:
+                wgmma_wait_group(0)
+                for c in range(ACCUMULATORS):
+                    total[c] = acc[c] if chunk == 0 else total[c] + acc[c]
+                    acc[c] = float32(0)
+        wgmma_wait_group(0)
+        if CHUNKS == 1:
+            for c in range(ACCUMULATORS):
+                total[c] = acc[c]
+
+        # acc[4i + 2h + e] is D[row + 8h, token 8i + 2t + e], as in the product's epilogue
+        for half in range(HALVES):
+            for i in range(WIDTH // 8):
+                for e in range(2):
+                    token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
+                    if token < m:
+                        first_value = acc_high[4 * i + e] if half else total[4 * i + e]
+                        second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
+                        at = token * U(n) + n0
+                        if GATE_UP:
+                            out[at + col_a] = silu(first_value) * second
+                        else:
+                            if BIAS:
+                                first_value += float32(bias_values[n0 + col_a])
+                                second += float32(bias_values[n0 + col_b])
+                            if RESIDUAL:
+                                out[at + col_a] += first_value
+                                out[at + col_b] += second
+                            else:
+                                out[at + col_a] = first_value
+                                out[at + col_b] = second
+
+    return tma_gemm
+
+
+def tma_signature(out=types.float32):
+    maps, bits = types.uint64[::1], types.uint16[::1]
+    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1])
+
+
+def threads(tiles: WgmmaTile) -> int:
+    return tiles.threads + 32  # the warpgroups, then the producer warp
+
+
+class TmaGemm:
+    """One linear (one weight matrix, or gate and up) on this kernel, as the product's Int4Gemm and
+    GateUpSiluGemm take it; X's tensor map kept per (buffer, M)."""
+
+    def __init__(self, n: int, k: int, weights, epilogue: str, tiles: WgmmaTile, chunks: int = 1, bias=None):
+        self.n, self.k, self.tiles = n, k, tiles
+        self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks)
+        self.cols = tiles.block_n // len(weights)
+        flat = [_weights(n, k, q, s) for q, s in weights]
+        self.qweights = [q for q, _ in flat]  # a tensor map holds the address, not the array: keep them alive
+        self.w_maps = [tensor_map(q.reshape(n, k // 8), W_ROW_WORDS, self.cols, False) for q in self.qweights]
+        self.scales = [s for _, s in flat]
+        self.bias = cuda.to_device(np.zeros(n, np.float16)) if bias is None else bias
+        self.x_maps: dict = {}  # the caller keeps each x alive while its map is used
+
+    def launch(self, stream, x, out, m: int) -> None:
+        """out[:m] (+)= x[:m] W^T with the kernel's epilogue (x float16 [>= m, K])."""
+        key = (id(x) if SIMULATOR else x.device_ctypes_pointer.value, m)
+        if key not in self.x_maps:
+            self.x_maps[key] = tensor_map(x, K_TILE, self.tiles.tokens, True, rows=m)
+        grid = (-(-m // self.tiles.tokens), self.n // self.cols)
+        launch(self.kernel, grid, threads(self.tiles), stream,
+               (self.x_maps[key], U(m), self.w_maps[0], self.scales[0], self.w_maps[-1], self.scales[-1], self.bias,
+                out.reshape(out.size)), self.tiles.dynamic_shared_bytes, dependent=False)
+
+
+# The tiles timed: the product's three 128- and 256-token shapes, and a deeper ring where the copy
+# engine, not 256 threads, fills it.
+TMA_TILES = {"wgmma_64x128": WG1_T128, "wgmma_128x128": WG2_T128, "wgmma_128x128_s6": WgmmaTile(2, 128, stages=6)}
+CHECKED_ROWS = (7, 512)  # against float64: a partial token tile, and bench's short prompt
+BITS_ROWS = (512, 2048)  # against the product's bits on the same tile
+
+
+def tma_launcher(n: int, k: int, epilogue: str, tiles: WgmmaTile):
+    """launch(stream, weights, bias, x, out) for harness.check_gemm, K in the product's chunks."""
+    def launch_one(stream, weights, bias, x, out):
+        TmaGemm(n, k, weights, epilogue, tiles, k_chunks(k, tiles, epilogue), bias).launch(stream, x, out, x.shape[0])
+    return launch_one
+
+
+def same_bits(name: str, tiles: WgmmaTile, m: int, rng):
+    """This kernel and the product's on the same tile, K chunks and fresh operands: equal outputs."""
+    n, k = LINEARS_7B[name]
+    epilogue = EPILOGUES_7B[name]
+    weights = [tuple(cuda.to_device(a) for a in random_int4(rng, n, k))
+               for _ in range(2 if epilogue == "gate_up_silu" else 1)]
+    bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
+    x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
+    start = rng.standard_normal((m, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
+    outs = []
+    for launch_one in (product_gemm(n, k, epilogue, tiles), tma_launcher(n, k, epilogue, tiles)):
+        out = cuda.to_device(start)
+        launch_one(0, weights, bias, x, out)
+        outs.append(out.copy_to_host())
+    differ = int(np.count_nonzero(outs[0].view(np.uint16 if epilogue == "gate_up_silu" else np.uint32)
+                                  != outs[1].view(np.uint16 if epilogue == "gate_up_silu" else np.uint32)))
+    return passed(f"{name} {TILE_NAMES.get(tiles, tiles)} M={m}: the product's bits", differ == 0,
+                  f"{differ} of {start.size} outputs differ")
+
+
+def check(rng):
+    results = []
+    for name, (n, k) in LINEARS_7B.items():
+        epilogue = EPILOGUES_7B[name]
+        for m in CHECKED_ROWS:
+            tiles = default_tiles_for(max(m, 512), n, k, epilogue)
+            results.append(check_gemm(f"{name} {TILE_NAMES[tiles]} M={m}", tma_launcher(n, k, epilogue, tiles), n, k, m,
+                                      epilogue, rng))
+        for label, tiles in TMA_TILES.items():
+            if tiles.fits(n, k, 2 if epilogue == "gate_up_silu" else 1):
+                results += [same_bits(name, tiles, m, rng) for m in BITS_ROWS]
+    return results
+
+
+def timings() -> list[dict]:
+    """us a call at M = 512 and 2048: the product's default tile, then this kernel's tiles."""
+    rows = []
+    for name, (n, k) in LINEARS_7B.items():
+        epilogue = "plain" if EPILOGUES_7B[name] == "bias" else EPILOGUES_7B[name]  # as bench's GEMM table
+        matrices = 2 if epilogue == "gate_up_silu" else 1
+        out_dtype = np.float16 if matrices == 2 else np.float32
+        for m in (512, 2048):
+            flops = 2 * m * n * k * matrices
+            product = time_product_gemm(n, k, m, epilogue)
+            row = {"linear": name, "M": m, f"product {TILE_NAMES[default_tiles_for(m, n, k, epilogue)]}": product}
+            for label, tiles in TMA_TILES.items():
+                if not tiles.fits(n, k, matrices):
+                    continue
+                chunks = k_chunks(k, tiles, epilogue)
+
+                def build(weights, tiles=tiles, chunks=chunks):
+                    gemm = TmaGemm(n, k, weights, epilogue, tiles, chunks)
+                    return lambda stream, x, out: gemm.launch(stream, x, out, m)
+
+                row[f"tma {label}"] = time_calls(build, n, k, m, out_dtype, matrices)
+            best = min(v for key, v in row.items() if key.startswith("tma"))
+            row["best TFLOP/s"] = f"{flops / best / 1e6:.0f} ({flops / product / 1e6:.0f})"
+            rows.append(row)
+    return rows
+
+
+def compile_targets() -> list[CompileTarget]:
+    """The kernel at every 7B linear on its product tile at 512 tokens and at 128 x 128."""
+    targets = []
+    feed = ("cp.async.bulk.tensor.2d", "wgmma.mma_async.sync.aligned", "mbarrier", "prmt.b32")
+    for name, (n, k) in LINEARS_7B.items():
+        epilogue = EPILOGUES_7B[name]
+        for tiles in {default_tiles_for(512, n, k, epilogue), WG2_T128}:
+            chunks = k_chunks(k, tiles, epilogue)
+            targets.append(CompileTarget(f"gemm_tma_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
+                                         tma_gemm_kernel(n, k, tiles, epilogue, chunks),
+                                         tma_signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
+                                         feed, cc=(9, 0, "a")))
+    return targets
+
+
+if __name__ == "__main__":
+    run(check, timings, "INT4 GEMM, us a call: the product's default tile against the TMA-fed kernel (weights rotated "
+                        "through 2x the L2)")
