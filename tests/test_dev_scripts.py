@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
-SCRIPTS = ["attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_timeline.py", "l2_prefetch_decode.py",
+SCRIPTS = ["attention_merge_bound.py", "attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_timeline.py", "l2_prefetch_decode.py",
            "profile_one.py", "ptx_loop_mix.py", "stream_read.py"]
 
 
@@ -18,6 +18,20 @@ def test_dev_script_starts(script):
     proc = subprocess.run([sys.executable, str(DEV / script), "--help"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout
+
+
+def test_attention_merge_bound_finds_its_anchor_once():
+    """dev/attention_merge_bound.py's copy of the product kernel: its anchor occurs once (the copy
+    loads) and the copy returns before the fence."""
+    sys.path.insert(0, str(DEV))
+    try:
+        import attention_merge_bound
+    finally:
+        sys.path.remove(str(DEV))
+    source = attention_merge_bound.edited_kernel_source("test", "", [(attention_merge_bound.ANCHOR,
+                                                                      "        return\n" + attention_merge_bound.ANCHOR)])
+    assert source.index("        return\n" + attention_merge_bound.ANCHOR) < source.index("cuda.threadfence()")
+    assert hasattr(attention_merge_bound.without_merge(), "make_decode_attention")
 
 
 def test_attention_timeline_finds_every_anchor_in_the_kernel():
