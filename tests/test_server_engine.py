@@ -216,3 +216,50 @@ def test_the_gpu_engine_compiles_every_prefill_graph_before_serving(monkeypatch)
         # The long step says how much it will do and how long it took.
         assert f"compiling the prefill graphs: {len(lengths)} prompt lengths, greedy and sampled" in status
         assert re.fullmatch(r"prefill graphs ready in \d+\.\d s", status[-1])
+
+
+def test_after_a_streamed_jobs_first_event_the_engine_waits_until_the_response_wrote_it(monkeypatch):
+    """The worker resumes the backend after a streamed job's first event only once the response has
+    set job.first_sent (or scheduler.FIRST_EVENT_WAIT_S has passed), so that the event loop writes
+    that event with the GIL to itself; for a job that is not streamed it does not wait."""
+    import asyncio
+
+    from pynanoqwen.sampling import SamplingParams
+    from pynanoqwen.server import scheduler as engine
+    from pynanoqwen.server.metrics import Metrics
+
+    monkeypatch.setattr(engine, "FIRST_EVENT_WAIT_S", 30.0)  # only first_sent ends the wait in time
+    _, model = scripted([])
+
+    class Backend:
+        name, max_context = "two tokens", model.max_context
+        resumed = 0.0  # when the worker asked for the second token
+
+        def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
+            yield 300
+            self.resumed = time.perf_counter()
+            yield 301
+
+    async def run(streamed: bool) -> tuple[float, float]:
+        backend = Backend()
+        scheduler = engine.Scheduler(backend, model.tokenizer, Metrics(None), 8, None)
+        scheduler.start()
+        try:
+            request = engine.GenerationRequest([1, 2], SamplingParams(), 2, frozenset(), every_token=True)
+            job = scheduler.submit(request, time.perf_counter(), streamed=streamed)
+            assert isinstance(await job.events.get(), engine.Text)
+            if streamed:
+                await asyncio.sleep(0.2)  # the response writing the event
+                written = time.perf_counter()
+                job.first_sent.set()
+            else:
+                written = time.perf_counter()
+            while not isinstance(await asyncio.wait_for(job.events.get(), 10), engine.Done):
+                pass
+            return written, backend.resumed
+        finally:
+            scheduler.stop()
+
+    written, resumed = asyncio.run(run(streamed=True))
+    assert resumed >= written
+    asyncio.run(run(streamed=False))  # done within 10 s: no 30 s wait

@@ -108,11 +108,14 @@ class EventStream:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             while isinstance(event := await self.job.events.get(), Text):
                 await send({"type": "http.response.body", "body": self.formatter.piece(event), "more_body": True})
+                if not self.job.first_sent.is_set():  # the engine thread waits for it (scheduler.FIRST_EVENT_WAIT_S)
+                    self.job.first_sent.set()
             for data in self.formatter.closing(event):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
+            self.job.first_sent.set()
 
 
 class Gate:
@@ -194,7 +197,7 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
         if reply.supersedes and client in infill_jobs:
             infill_jobs.pop(client).cancel("superseded")
         try:
-            job = scheduler.submit(generation_request, arrival)
+            job = scheduler.submit(generation_request, arrival, streamed=reply.stream)
         except QueueFull:
             raise ApiError(503, f"The server is busy: {scheduler.max_queue} requests are already waiting.",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None

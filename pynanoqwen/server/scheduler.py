@@ -5,7 +5,9 @@ it in a bounded queue (full: QueueFull, which the route answers with 503 and Ret
 returns its Job. The worker thread takes jobs in order, runs each through the backend, turns tokens
 into text (tokenizer.StreamDecoder, then textstream.TextStops) and hands every piece to the event
 loop with loop.call_soon_threadsafe onto the job's asyncio.Queue, so a streaming response awaits
-its next event without ever blocking the loop.
+its next event without ever blocking the loop. After a streamed job's first event the worker waits,
+at most FIRST_EVENT_WAIT_S, until the response has written it: the loop then has the GIL to itself
+for that event, the one that sets the time to first token.
 
 Cancellation: `Job.cancel` (the client went away, or server/protocol.py's newer /infill from the
 same client) sets a flag that the worker reads after every token; it then closes the backend's
@@ -79,14 +81,27 @@ class QueueFull(Exception):
     pass
 
 
+# How long the worker waits, after a streamed job's first event, for the response to write it.
+# During the wait the event loop has the GIL to itself, instead of waiting for the worker to launch
+# the engine's next step first. The GPU engine has already enqueued that step
+# (engine.backend._decode_tokens), so the wait costs it nothing while it is shorter than a step
+# (~1.7 ms at 7B); a backend that computes the next token only when asked (the CPU reference)
+# starts it that much later, once a generation. 2-core VM, bench/server_overhead.py with a backend
+# that runs 300 us of Python after each token (--prefill-ms 5 --launch-us 300): first token to
+# first event 0.73-0.84 -> 0.40-0.51 ms (medians of 150, three interleaved rounds).
+FIRST_EVENT_WAIT_S = 0.001
+
+
 class Job:
     """One request in the engine. Its events (Text..., then one Done) arrive on `events`."""
 
     def __init__(self, request: GenerationRequest, arrival: float, loop: asyncio.AbstractEventLoop,
-                 scheduler: "Scheduler"):
+                 scheduler: "Scheduler", streamed: bool = False):
         self.request = request
         self.arrival = arrival  # time.perf_counter() when the request came in
         self.events: asyncio.Queue = asyncio.Queue()
+        # A streamed response sets it once it has written its first event (FIRST_EVENT_WAIT_S).
+        self.first_sent = threading.Event() if streamed else None
         self._loop = loop
         self._scheduler = scheduler
         self._cancel = threading.Event()
@@ -141,10 +156,11 @@ class Scheduler:
             self.cancel(running, "shutdown")
         self._thread.join()
 
-    def submit(self, request: GenerationRequest, arrival: float) -> Job:
+    def submit(self, request: GenerationRequest, arrival: float, streamed: bool = False) -> Job:
         """Queue a request (from the event loop) that came in at `arrival` (time.perf_counter());
-        QueueFull when max_queue requests already wait."""
-        job = Job(request, arrival, asyncio.get_running_loop(), self)
+        QueueFull when max_queue requests already wait. `streamed`: its response sets
+        job.first_sent after writing its first event."""
+        job = Job(request, arrival, asyncio.get_running_loop(), self, streamed)
         with self._lock:
             if self._stopping or (len(self._pending) >= self.max_queue and self._running is not None):
                 raise QueueFull()
@@ -234,6 +250,8 @@ class Scheduler:
                 text = stops.push(decoder.push(token))
                 if text or request.every_token:
                     job.emit(Text(text, tuple(generated[unsent:])))
+                    if not unsent and job.first_sent is not None:  # the first event
+                        job.first_sent.wait(FIRST_EVENT_WAIT_S)
                     unsent = len(generated)
                 if stops.reason is not None:
                     reason = stops.reason if stops.reason == "word" else "limit"
