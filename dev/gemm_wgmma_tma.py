@@ -1,5 +1,5 @@
-"""The wgmma INT4 GEMM fed by the Tensor Memory Accelerator: one producer lane, no copy arithmetic in
-the consumer warps, an mbarrier pair a stage instead of a block barrier a k tile.
+"""The wgmma INT4 GEMM fed by the Tensor Memory Accelerator: one producing thread, no copy arithmetic
+in the consumer warps, an mbarrier pair a stage instead of a block barrier a k tile.
 
 The product's prefill GEMM (pynanoqwen/kernels/gemm_int4_wgmma.py; read it first) stops near 60%
 of the tensor cores' rate. Nsight Compute (docs/PERFORMANCE.md, "Prefill, 2026-12-03") found it
@@ -9,18 +9,28 @@ addresses and predicates, and the block barrier that publishes them, most of the
 copy_plan, the k loop of gate_up at 128 x 128 is still 347 PTX instructions for two k tiles:
 dev/ptx_loop_mix.py). Here the copies are the copy engine's:
 
-- a producer warp (the block's last; its lane 0) issues, for each k tile, two or three
-  `cp.async.bulk.tensor.2d` copies (TMA, PTX ISA "cp.async.bulk.tensor"): the X tile (64 k x
-  TOKENS tokens of FP16, written in the 128-byte swizzle that the wgmma descriptor reads; the
-  tensor map's SWIZZLE_128B is that same pattern, chunk c of row r at c ^ (r % 8)) and the W tile
-  (8 packed words x ROWS weight rows; for gate/up a box of the gate rows and one of the up rows);
-  rows past M come in as zeros, as the product's zero-filling copies give them;
+- a producer issues, for each k tile, two or three `cp.async.bulk.tensor.2d` copies (TMA, PTX ISA
+  "cp.async.bulk.tensor"): the X tile (64 k x TOKENS tokens of FP16, written in the 128-byte
+  swizzle that the wgmma descriptor reads; the tensor map's SWIZZLE_128B is that same pattern,
+  chunk c of row r at c ^ (r % 8)) and the W tile (8 packed words x ROWS weight rows; for gate/up
+  a box of the gate rows and one of the up rows); rows past M come in as zeros, as the product's
+  zero-filling copies give them;
 - the stage's `full` mbarrier (one arrival, the producer's expect_tx, plus the boxes' bytes) tells
   the consumers the tile has landed, in both proxies: the consumers' ld.shared of W and their
   wgmmas' reads of X need no fence;
 - each consumer thread arrives on the stage's `empty` mbarrier once wgmma_wait_group(1) in the
   next k tile says the tile's wgmmas are done (its W words went to registers before they were
   issued), and the producer waits for it before refilling the stage.
+
+Two producers. A warp of its own (the block's last; its lane 0 walks every k tile), or thread 0
+between its own k tiles (`lane_lag`): at tile kt it refills the stage of tile kt - 2 - lag with
+tile kt + STAGES - 2 - lag, waiting for every consumer's release of that stage, so the other warps
+may trail thread 0 by lag + 1 tiles before it waits for them. The warp costs registers: it makes a
+block of two warpgroups 9 warps, 3 of them on one of the SM's 4 schedulers, each scheduler holding
+a quarter of the 65536 registers, so a thread may have only 168 (ptxas gives exactly that under
+the 288-thread launch bound). The 256-token tiles (196-208 registers unbounded) and the K-chunked
+128-token tile (212) spill 68-208 bytes there, and without the bound their launches failed
+(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). Thread 0 keeps the block at 8 warps and 255 registers.
 
 The consumers do what the product's do, in the same order: unpack the lane's pairs, fence, the 4
 (8 at 256 tokens) wgmmas of the tile as one group, wait for the previous group; K in the same fixed
@@ -33,30 +43,30 @@ where the kernel's copies name it by address (a `__grid_constant__` parameter, C
 has no Numba spelling). The producer's `fence.proxy.tensormap::generic.acquire` makes the bytes
 written through the ordinary proxy visible to the copy engine's. X's map holds M (rows past it
 read as zeros) and the buffer's address, so it is encoded per (buffer, M): an engine would keep
-one per captured prompt bucket.
+one per captured prompt bucket, encoded before capture (the copy of a map to the device is a
+synchronous memcpy, which a capturing stream does not allow).
 
-Measured on an H100 (docs/PERFORMANCE.md, "Prefill GEMM fed by TMA"): the same bits as the
-product's kernel at every 7B linear and tile, and 3-9% faster at the 128 x 128 tile (gate_up 254.5
-against 272.6 us at 512 tokens, 1013.9 against 1111.5 at 2048; down_proj 144.7 against 153.5 and
-590.8 against 611.4), no faster at 64 x 128 (qkv at 512: 43.1 against 42.0), and slower with 6
-stages than with 4 everywhere. The predicted 10-30% assumed the copies were most of the consumers'
-instructions; the PTX says otherwise: the k loop of gate_up at 128 x 128 is 311 instructions for
-two k tiles here against the product's 347, the unpack (fma 64, and 50, prmt 32) being most of
-both. Not in the product for that reason and two more: the producer warp makes a block of two
-warpgroups 9 warps, 3 of them on one scheduler, so ptxas may give a thread only 168 registers
-(65536 / 4 schedulers / 3 warps / 32 lanes): the 256-token tiles (196-208 registers unbounded) and
-the K-chunked 128-token tile (212) spill 68-208 bytes there, and without the bound their launches
-failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); and an engine would need a tensor map per prompt bucket
-and buffer. The 256-token tiles are not timed; down_proj's 128 x 128 tile (K in 4 chunks) is,
-spilling. (tests/test_dev_variants.py compiles the Python function, without the launch bound, so
-it sees the unbounded register counts.)
+Measured on an H100 (docs/PERFORMANCE.md, "2026-12-06, midday"): the product's bits at every
+7B linear and tile. The 256-token tile with thread 0 producing (4 stages, lag 0) is the fastest
+form at 2048 tokens: gate_up 898.9 against the product's 1118.5 us (619 TFLOP/s), o_proj 119.1
+against 129.0, down_proj 462.3 against 612.3 (but in one K chunk, which the product's prefix cache
+rules out for down_proj: gemm_int4_tiles.k_chunks), and gate_up's at 512 (246.0 against 270.7).
+The producer warp at 128 x 128 is 3-12% faster than the product's default where that tile serves
+(qkv 132.5 against 151.2 at 2048, down_proj 146.3 / 589.5 against 154.4 / 612.3 in 4 chunks). A
+fifth stage with lag 1 is slower in both forms (not explained). The first prediction, 10-30% from
+the copies' bookkeeping alone, held only at 256 tokens: at 128 the k loop of gate_up is 311 PTX
+instructions for two k tiles against the product's 347, the unpack (fma 64, and 50, prmt 32)
+most of both. Not in the product yet: the engine needs a tensor map per prompt bucket and buffer,
+and its prefill tests on the GPU. (tests/test_dev_variants.py compiles the Python function,
+without the launch bound, so it sees the unbounded register counts.)
 
     python dev/gemm_wgmma_tma.py
 
-`check` runs every 7B linear at 7 and 512 tokens against float64 (the product's bound), and at 512
-and 2048 tokens against the product's own bits on each timed tile with the same K chunks;
-`timings` gives us a call of the product's default tile and of this kernel's tiles, weights
-rotated through twice the L2, as bench's GEMM table times them.
+`check` runs every 7B linear at 7 and 512 tokens against float64 (the product's bound) on the
+default tile with both producers, and at 512 tokens against the product's own bits on each timed
+form with the same K chunks; `timings` gives us a call of the product's default tile and of this
+kernel's forms at 512 and 2048 tokens, weights rotated through twice the L2, as bench's GEMM table
+times them.
 """
 
 from __future__ import annotations
@@ -77,7 +87,7 @@ from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.call_free import silu
 from pynanoqwen.kernels.gemm_int4 import _weights
-from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG1_T128, WG2_T128, default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, WG2_T256, default_tiles_for, k_chunks
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
     check_chunks, dequantize_pair
 from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
@@ -217,9 +227,10 @@ def acquire_tensor_map(typingctx, tmap):
 # --- The kernel ---------------------------------------------------------------------------------
 
 @functools.cache
-def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1):
+def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1, lane_lag: int | None = None):
     """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out): out[:m] (+)= X W^T with the product's
-    epilogues, X and W through their tensor maps, K summed in `chunks` fixed chunks."""
+    epilogues, X and W through their tensor maps, K summed in `chunks` fixed chunks; the stages
+    filled by a producer warp, or with lane_lag by thread 0 between its own k tiles."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
     check_chunks(k, tiles, epilogue, chunks)
@@ -227,6 +238,14 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     TOKENS, ROWS, STAGES = tiles.tokens, tiles.block_n, tiles.stages
     CONSUMERS = tiles.threads  # the warpgroups' threads; the producer warp follows them
     PRODUCER_WARP = CONSUMERS // 32
+    LANE_PRODUCER = lane_lag is not None  # thread 0 fills the stages instead of a warp of its own
+    # The lane producer refills, at tile kt, the stage of tile kt - 2 - lag with tile kt + AHEAD: it
+    # waits for every consumer to have released tile kt - 2 - lag, so the other warps may lag
+    # thread 0's by lag + 1 tiles before it waits for them.
+    AHEAD = STAGES - 2 - (lane_lag or 0)
+    THREADS = CONSUMERS if LANE_PRODUCER else CONSUMERS + 32
+    if LANE_PRODUCER and AHEAD < 1:
+        raise ValueError(f"{tiles}: {STAGES} stages leave no tile in flight at lag {lane_lag}")
     COLS = ROWS // matrices
     if n % COLS or k % GROUP_SIZE:
         raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
@@ -241,24 +260,26 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
 
     @cuda.jit(device=True, inline="always")
-    def produce(x_map, w_map0, w_map1, tile, ring, full, empty, m0, n0):
-        """The producer lane: every k tile's boxes, each stage once its consumers released it."""
+    def acquire_maps(x_map, w_map0, w_map1):
         acquire_tensor_map(x_map)
         acquire_tensor_map(w_map0)
         if GATE_UP:
             acquire_tensor_map(w_map1)
-        for kt in range(K_TILES):
-            stage = U(kt % STAGES)
-            # Fill kt // STAGES of this stage needs its consumers' release of the previous fill; in
-            # the first round parity 1 names the phase before phase 0, complete.
-            mbarrier_wait(empty, stage, U(((kt // STAGES) & 1) ^ 1))
-            mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
-            word = ring + stage * U(STAGE_WORDS)
-            tensor_copy_2d(tile, word, x_map, U(kt * K_TILE), m0, full, stage)
-            tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, U(kt * W_ROW_WORDS), n0, full, stage)
-            if GATE_UP:  # the up rows after the gate rows
-                tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, U(kt * W_ROW_WORDS), n0,
-                               full, stage)
+
+    @cuda.jit(device=True, inline="always")
+    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
+        """k tile kt's boxes into stage kt % STAGES, once its consumers released the stage's last fill."""
+        stage = kt % U(STAGES)
+        # Fill kt // STAGES of this stage needs its consumers' release of the previous fill; in the
+        # first round parity 1 names the phase before phase 0, complete.
+        mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
+        mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
+        word = ring + stage * U(STAGE_WORDS)
+        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
+        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
+        if GATE_UP:  # the up rows after the gate rows
+            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
+                           stage)
 
     @cuda.jit(device=True, inline="always")
     def unpack(tile, word_a, word_b, constants, scale_a, scale_b, a):
@@ -278,9 +299,13 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
             a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
 
     @cuda.jit(device=True, inline="always")
-    def consume(tile, ring, full, empty, kt, offset_a, offset_b, constants, scale_a, scale_b, a, acc, acc_high):
-        """k tile kt: wait for its boxes, unpack, issue its wgmmas, and release the stage of kt - 1,
-        whose wgmmas wait_group(1) has just seen done."""
+    def consume(maps, tile, ring, full, empty, kt, m0, n0, offset_a, offset_b, constants, scale_a, scale_b, a, acc,
+                acc_high):
+        """k tile kt: (the lane producer: refill the stage LAG + 2 tiles back with tile kt + AHEAD)
+        wait for its boxes, unpack, issue its wgmmas, and release the stage of kt - 1, whose wgmmas
+        wait_group(1) has just seen done."""
+        if LANE_PRODUCER and cuda.threadIdx.x == 0 and kt + U(AHEAD) < U(K_TILES):
+            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), m0, n0)
         stage = kt % U(STAGES)
         mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
         word = ring + stage * U(STAGE_WORDS)
@@ -304,7 +329,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     # The block must fit the SM's 65536 registers. Without a bound ptxas gave the 256-token and the
     # K-chunked tiles more than 288 threads (the producer warp's 32 included) can have, and their
     # launches failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); .maxntid tells it the block.
-    @cuda.jit(launch_bounds=(CONSUMERS + 32, 1))
+    @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))  # the simulator takes no bounds
     def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out):
         tile = cuda.shared.array(0, uint32)
         full = cuda.shared.array(STAGES, uint64)
@@ -321,10 +346,17 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
                 mbarrier_init(empty, s, CONSUMERS)  # every consumer thread, after its wgmma wait
             fence_barrier_init()
         cuda.syncthreads()
-        if tid // U(32) == U(PRODUCER_WARP):
+        if not LANE_PRODUCER and tid // U(32) == U(PRODUCER_WARP):
             if tid % U(32) == U(0):
-                produce(x_map, w_map0, w_map1, tile, ring, full, empty, m0, n0)
+                acquire_maps(x_map, w_map0, w_map1)
+                for kt in range(K_TILES):
+                    fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
             return
+        if LANE_PRODUCER and tid == U(0):
+            acquire_maps(x_map, w_map0, w_map1)
+            for kt in range(min(AHEAD, K_TILES)):
+                fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
+        maps = (x_map, w_map0, w_map1)
 
         a_even = cuda.local.array(16, uint32)
         a_odd = cuda.local.array(16, uint32)
@@ -362,10 +394,10 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
                     next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
                     next_b = half2_scale(s0, s1, n0 + col_b, up_b, group + U(1))
                 kt = group * U(TILES_PER_GROUP)
-                consume(tile, ring, full, empty, kt, offset_a, offset_b, constants, scale_a, scale_b, a_even, acc,
-                        acc_high)
-                consume(tile, ring, full, empty, kt + U(1), offset_a, offset_b, constants, scale_a, scale_b, a_odd,
-                        acc, acc_high)
+                consume(maps, tile, ring, full, empty, kt, m0, n0, offset_a, offset_b, constants, scale_a, scale_b,
+                        a_even, acc, acc_high)
+                consume(maps, tile, ring, full, empty, kt + U(1), m0, n0, offset_a, offset_b, constants, scale_a,
+                        scale_b, a_odd, acc, acc_high)
             if CHUNKS > 1:
                 wgmma_wait_group(0)
                 for c in range(ACCUMULATORS):
@@ -406,17 +438,19 @@ def tma_signature(out=types.float32):
     return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1])
 
 
-def threads(tiles: WgmmaTile) -> int:
-    return tiles.threads + 32  # the warpgroups, then the producer warp
+def threads(tiles: WgmmaTile, lane_lag: int | None = None) -> int:
+    """The block: the warpgroups, then the producer warp unless thread 0 produces."""
+    return tiles.threads + (0 if lane_lag is not None else 32)
 
 
 class TmaGemm:
     """One linear (one weight matrix, or gate and up) on this kernel, as the product's Int4Gemm and
     GateUpSiluGemm take it; X's tensor map kept per (buffer, M)."""
 
-    def __init__(self, n: int, k: int, weights, epilogue: str, tiles: WgmmaTile, chunks: int = 1, bias=None):
-        self.n, self.k, self.tiles = n, k, tiles
-        self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks)
+    def __init__(self, n: int, k: int, weights, epilogue: str, tiles: WgmmaTile, chunks: int = 1, bias=None,
+                 lane_lag: int | None = None):
+        self.n, self.k, self.tiles, self.threads = n, k, tiles, threads(tiles, lane_lag)
+        self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag)
         self.cols = tiles.block_n // len(weights)
         flat = [_weights(n, k, q, s) for q, s in weights]
         self.qweights = [q for q, _ in flat]  # a tensor map holds the address, not the array: keep them alive
@@ -431,26 +465,29 @@ class TmaGemm:
         if key not in self.x_maps:
             self.x_maps[key] = tensor_map(x, K_TILE, self.tiles.tokens, True, rows=m)
         grid = (-(-m // self.tiles.tokens), self.n // self.cols)
-        launch(self.kernel, grid, threads(self.tiles), stream,
+        launch(self.kernel, grid, self.threads, stream,
                (self.x_maps[key], U(m), self.w_maps[0], self.scales[0], self.w_maps[-1], self.scales[-1], self.bias,
                 out.reshape(out.size)), self.tiles.dynamic_shared_bytes, dependent=False)
 
 
-# The tiles timed: the product's three 128- and 256-token shapes, and a deeper ring where the copy
-# engine, not 256 threads, fills it.
-TMA_TILES = {"wgmma_64x128": WG1_T128, "wgmma_128x128": WG2_T128, "wgmma_128x128_s6": WgmmaTile(2, 128, stages=6)}
+# What is timed, (tiles, lane_lag): a producer warp at the product's 128-token tile (9 warps: 168
+# registers a thread), and thread 0 producing (8 warps) at 128 and 256 tokens; with lag 1 the other
+# warps may run a tile further behind thread 0 before it waits for them, at the price of a stage.
+TMA_TILES = {"warp 128x128": (WG2_T128, None), "lane 128x128 s5 lag1": (WgmmaTile(2, 128, stages=5), 1),
+             "lane 128x256 s4 lag0": (WG2_T256, 0), "lane 128x256 s5 lag1": (WgmmaTile(2, 256, stages=5), 1)}
 CHECKED_ROWS = (7, 512)  # against float64: a partial token tile, and bench's short prompt
-BITS_ROWS = (512, 2048)  # against the product's bits on the same tile
+BITS_ROWS = (512,)  # against the product's bits on the same tile: two or more token blocks at every tile
 
 
-def tma_launcher(n: int, k: int, epilogue: str, tiles: WgmmaTile):
+def tma_launcher(n: int, k: int, epilogue: str, tiles: WgmmaTile, lane_lag: int | None = None):
     """launch(stream, weights, bias, x, out) for harness.check_gemm, K in the product's chunks."""
     def launch_one(stream, weights, bias, x, out):
-        TmaGemm(n, k, weights, epilogue, tiles, k_chunks(k, tiles, epilogue), bias).launch(stream, x, out, x.shape[0])
+        TmaGemm(n, k, weights, epilogue, tiles, k_chunks(k, tiles, epilogue), bias, lane_lag).launch(
+            stream, x, out, x.shape[0])
     return launch_one
 
 
-def same_bits(name: str, tiles: WgmmaTile, m: int, rng):
+def same_bits(name: str, label: str, tiles: WgmmaTile, lane_lag: int | None, m: int, rng):
     """This kernel and the product's on the same tile, K chunks and fresh operands: equal outputs."""
     n, k = LINEARS_7B[name]
     epilogue = EPILOGUES_7B[name]
@@ -460,13 +497,13 @@ def same_bits(name: str, tiles: WgmmaTile, m: int, rng):
     x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
     start = rng.standard_normal((m, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
     outs = []
-    for launch_one in (product_gemm(n, k, epilogue, tiles), tma_launcher(n, k, epilogue, tiles)):
+    for launch_one in (product_gemm(n, k, epilogue, tiles), tma_launcher(n, k, epilogue, tiles, lane_lag)):
         out = cuda.to_device(start)
         launch_one(0, weights, bias, x, out)
         outs.append(out.copy_to_host())
     differ = int(np.count_nonzero(outs[0].view(np.uint16 if epilogue == "gate_up_silu" else np.uint32)
                                   != outs[1].view(np.uint16 if epilogue == "gate_up_silu" else np.uint32)))
-    return passed(f"{name} {TILE_NAMES.get(tiles, tiles)} M={m}: the product's bits", differ == 0,
+    return passed(f"{name} {label} M={m}: the product's bits", differ == 0,
                   f"{differ} of {start.size} outputs differ")
 
 
@@ -474,13 +511,14 @@ def check(rng):
     results = []
     for name, (n, k) in LINEARS_7B.items():
         epilogue = EPILOGUES_7B[name]
-        for m in CHECKED_ROWS:
-            tiles = default_tiles_for(max(m, 512), n, k, epilogue)
-            results.append(check_gemm(f"{name} {TILE_NAMES[tiles]} M={m}", tma_launcher(n, k, epilogue, tiles), n, k, m,
-                                      epilogue, rng))
-        for label, tiles in TMA_TILES.items():
+        for m in CHECKED_ROWS:  # the product's default tile at 512 tokens, both producers
+            tiles = default_tiles_for(512, n, k, epilogue)
+            for lane_lag in (None, 1):  # the default tile's 4 stages leave thread 0 one tile ahead at lag 1
+                results.append(check_gemm(f"{name} {TILE_NAMES[tiles]} {'lane' if lane_lag else 'warp'} M={m}",
+                                          tma_launcher(n, k, epilogue, tiles, lane_lag), n, k, m, epilogue, rng))
+        for label, (tiles, lane_lag) in TMA_TILES.items():
             if tiles.fits(n, k, 2 if epilogue == "gate_up_silu" else 1):
-                results += [same_bits(name, tiles, m, rng) for m in BITS_ROWS]
+                results += [same_bits(name, label, tiles, lane_lag, m, rng) for m in BITS_ROWS]
     return results
 
 
@@ -495,13 +533,13 @@ def timings() -> list[dict]:
             flops = 2 * m * n * k * matrices
             product = time_product_gemm(n, k, m, epilogue)
             row = {"linear": name, "M": m, f"product {TILE_NAMES[default_tiles_for(m, n, k, epilogue)]}": product}
-            for label, tiles in TMA_TILES.items():
+            for label, (tiles, lane_lag) in TMA_TILES.items():
                 if not tiles.fits(n, k, matrices):
                     continue
                 chunks = k_chunks(k, tiles, epilogue)
 
-                def build(weights, tiles=tiles, chunks=chunks):
-                    gemm = TmaGemm(n, k, weights, epilogue, tiles, chunks)
+                def build(weights, tiles=tiles, chunks=chunks, lane_lag=lane_lag):
+                    gemm = TmaGemm(n, k, weights, epilogue, tiles, chunks, lane_lag=lane_lag)
                     return lambda stream, x, out: gemm.launch(stream, x, out, m)
 
                 row[f"tma {label}"] = time_calls(build, n, k, m, out_dtype, matrices)
@@ -512,15 +550,17 @@ def timings() -> list[dict]:
 
 
 def compile_targets() -> list[CompileTarget]:
-    """The kernel at every 7B linear on its product tile at 512 tokens and at 128 x 128."""
+    """The kernel at every 7B linear on its product tile at 512 tokens (producer warp), and at 128 x
+    256 with thread 0 producing."""
     targets = []
     feed = ("cp.async.bulk.tensor.2d", "wgmma.mma_async.sync.aligned", "mbarrier", "prmt.b32")
     for name, (n, k) in LINEARS_7B.items():
         epilogue = EPILOGUES_7B[name]
-        for tiles in {default_tiles_for(512, n, k, epilogue), WG2_T128}:
+        for tiles, lane_lag in ((default_tiles_for(512, n, k, epilogue), None), TMA_TILES["lane 128x256 s5 lag1"]):
             chunks = k_chunks(k, tiles, epilogue)
-            targets.append(CompileTarget(f"gemm_tma_{epilogue}_{TILE_NAMES[tiles]}[{name} {n}x{k}]",
-                                         tma_gemm_kernel(n, k, tiles, epilogue, chunks),
+            producer = "lane" if lane_lag is not None else "warp"
+            targets.append(CompileTarget(f"gemm_tma_{producer}_{epilogue}_{TILE_NAMES.get(tiles, 'wgmma_128x256_s5')}"
+                                         f"[{name} {n}x{k}]", tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag),
                                          tma_signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
                                          feed, cc=(9, 0, "a")))
     return targets

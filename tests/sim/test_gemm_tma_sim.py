@@ -9,6 +9,7 @@ pairs) under the CUDA simulator, at tiny tiles, on fresh random inputs:
   past M not zero-filled all change it;
 - Gaussian operands: the product's kernel on the same tile and K chunks gives the same bits
   (the same products summed in the same order).
+Both producers: a warp of its own, and thread 0 refilling between its own k tiles (lag 0 and 1).
 """
 
 import numpy as np
@@ -25,19 +26,25 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 
 ONE_WARPGROUP = WgmmaTile(warpgroups=1, tokens=64, stages=3)
 TWO_WARPGROUPS = WgmmaTile(warpgroups=2, tokens=64, stages=3)  # under the simulator's 48 KiB of shared memory
-CASES = [  # (epilogue, m, n, k, tiles, K chunks)
-    ("plain", 70, 64, 256, ONE_WARPGROUP, 1),  # 2 token blocks, the second mostly rows past m; the ring wraps
-    ("residual", 1, 64, 384, ONE_WARPGROUP, 1),  # one token, 3 scale groups
-    ("bias", 7, 128, 256, ONE_WARPGROUP, 1),  # 2 column blocks
-    ("residual", 9, 64, 512, ONE_WARPGROUP, 2),  # K summed in 2 fixed chunks
-    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1),  # 3 token blocks of two warpgroups
-    ("gate_up_silu", 33, 64, 256, ONE_WARPGROUP, 1),  # gate and up boxes, 32 columns a block
-    ("gate_up_silu", 20, 128, 256, TWO_WARPGROUPS, 1),
+FOUR_STAGES = WgmmaTile(warpgroups=1, tokens=64, stages=4)  # thread 0 producing at lag 1 needs a fourth
+CASES = [  # (epilogue, m, n, k, tiles, K chunks, lane_lag: None for the producer warp)
+    ("plain", 70, 64, 256, ONE_WARPGROUP, 1, None),  # 2 token blocks, the second mostly rows past m; the ring wraps
+    ("residual", 1, 64, 384, ONE_WARPGROUP, 1, None),  # one token, 3 scale groups
+    ("bias", 7, 128, 256, ONE_WARPGROUP, 1, None),  # 2 column blocks
+    ("residual", 9, 64, 512, ONE_WARPGROUP, 2, None),  # K summed in 2 fixed chunks
+    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1, None),  # 3 token blocks of two warpgroups
+    ("gate_up_silu", 33, 64, 256, ONE_WARPGROUP, 1, None),  # gate and up boxes, 32 columns a block
+    ("gate_up_silu", 20, 128, 256, TWO_WARPGROUPS, 1, None),
+    ("bias", 7, 128, 256, ONE_WARPGROUP, 1, 0),  # thread 0 producing, one tile in flight ahead
+    ("residual", 9, 64, 512, FOUR_STAGES, 2, 1),
+    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1, 0),
+    ("gate_up_silu", 33, 64, 256, FOUR_STAGES, 1, 1),
 ]
-IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-c{c}" for e, m, n, k, t, c in CASES]
+IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-s{t.stages}-c{c}-{'warp' if lag is None else f'lag{lag}'}"
+       for e, m, n, k, t, c, lag in CASES]
 
 
-def launch_both(epilogue, m, n, k, tiles, chunks, weights, x, out, bias=None):
+def launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias=None):
     """(this kernel's output, the product's) from the same operands, rows up to m."""
     results = []
     for which in ("tma", "product"):
@@ -45,8 +52,8 @@ def launch_both(epilogue, m, n, k, tiles, chunks, weights, x, out, bias=None):
         x_device = cuda.to_device(x)
         if which == "tma":
             on_device = [tuple(cuda.to_device(a) for a in w) for w in weights]
-            TmaGemm(n, k, on_device, epilogue, tiles, chunks,
-                    None if bias is None else cuda.to_device(bias)).launch(0, x_device, out_device, m)
+            TmaGemm(n, k, on_device, epilogue, tiles, chunks, None if bias is None else cuda.to_device(bias),
+                    lane_lag).launch(0, x_device, out_device, m)
         elif epilogue == "gate_up_silu":
             make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=tiles).launch(0, x_device, out_device, m)
         else:
@@ -58,8 +65,8 @@ def launch_both(epilogue, m, n, k, tiles, chunks, weights, x, out, bias=None):
     return results
 
 
-@pytest.mark.parametrize("epilogue, m, n, k, tiles, chunks", CASES, ids=IDS)
-def test_tma_gemm_exact_operands_against_float64(epilogue, m, n, k, tiles, chunks):
+@pytest.mark.parametrize("epilogue, m, n, k, tiles, chunks, lane_lag", CASES, ids=IDS)
+def test_tma_gemm_exact_operands_against_float64(epilogue, m, n, k, tiles, chunks, lane_lag):
     rng = np.random.default_rng()
     linears = [exact_linear(rng, n, k) for _ in range(2 if epilogue == "gate_up_silu" else 1)]
     x = exact_activations(rng, m, k)
@@ -67,7 +74,7 @@ def test_tma_gemm_exact_operands_against_float64(epilogue, m, n, k, tiles, chunk
     out_dtype = np.float16 if epilogue == "gate_up_silu" else np.float32
     out = np.full((m + EXTRA_ROWS, n), np.nan, out_dtype) if epilogue == "gate_up_silu" else \
         rng.standard_normal((m + EXTRA_ROWS, n)).astype(out_dtype)
-    y, _ = launch_both(epilogue, m, n, k, tiles, chunks, [(q, s) for q, s, _ in linears], x, out, bias)
+    y, _ = launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, [(q, s) for q, s, _ in linears], x, out, bias)
     y = y.astype(np.float64)
     products = [x[:m].astype(np.float64) @ w.T for _, _, w in linears]
     if epilogue == "gate_up_silu":
@@ -86,8 +93,8 @@ def test_tma_gemm_exact_operands_against_float64(epilogue, m, n, k, tiles, chunk
     assert np.all(np.abs(y - expected) <= U32 * np.abs(expected))
 
 
-@pytest.mark.parametrize("epilogue, m, n, k, tiles, chunks", CASES, ids=IDS)
-def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks):
+@pytest.mark.parametrize("epilogue, m, n, k, tiles, chunks, lane_lag", CASES, ids=IDS)
+def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks, lane_lag):
     rng = np.random.default_rng()
     weights = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
                 rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16))
@@ -95,5 +102,5 @@ def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks):
     x = rng.standard_normal((m + EXTRA_ROWS, k)).astype(np.float16)
     bias = rng.standard_normal(n).astype(np.float16) if epilogue == "bias" else None
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
-    tma, product = launch_both(epilogue, m, n, k, tiles, chunks, weights, x, out, bias)
+    tma, product = launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias)
     assert np.array_equal(tma, product, equal_nan=True)
