@@ -104,3 +104,34 @@ def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks, lane
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
     tma, product = launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias)
     assert np.array_equal(tma, product, equal_nan=True)
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "gate_up_silu"])
+def test_prefill_tma_linear_wraps_the_engines_gemm(epilogue):
+    """dev/prefill_tma.py's TmaLinear, over the engine's own GEMM object (its flat weights and scale
+    bits), gives that object's bits on the same tile at and above its row threshold, and below it
+    is that object."""
+    from prefill_tma import TmaLinear
+
+    rng = np.random.default_rng()
+    n, k, threshold = 64, 256, 8
+    weights = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
+                rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16))
+               for _ in range(2 if epilogue == "gate_up_silu" else 1)]
+    if epilogue == "gate_up_silu":
+        product = make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=ONE_WARPGROUP)
+    else:
+        product = make_gemm_int4(n, k, *weights[0], tiles=ONE_WARPGROUP)
+    wrapped = TmaLinear(product, n, k, epilogue, threshold, tiles=ONE_WARPGROUP)
+    for m in (threshold - 1, threshold + 9):
+        x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
+        start = rng.standard_normal((m, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
+        outs = []
+        for linear in (product, wrapped):
+            out = cuda.to_device(start)
+            if epilogue == "residual":
+                linear.launch(0, x, out, m, residual=True)
+            else:
+                linear.launch(0, x, out, m)
+            outs.append(out.copy_to_host())
+        assert np.array_equal(outs[0], outs[1], equal_nan=True), m
