@@ -17,7 +17,7 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops,
                peak_tflops
     prefill_kernels  per-stage breakdown of one prefill chunk (absent before 2026-12-06): a list of
-               {rows, kernels}, kernels as in `kernels`; prefill_kernels_error instead, if it failed
+               {rows, kernels}, kernels as in `kernels`
     prefill_attention  one layer's causal prefill attention per prompt length, in the engine's chunks:
                tokens, chunks, us_per_layer, ms_all_layers, tflops, peak_tflops
     prefix_cache  a prompt most of which the prefix cache holds (bench.prefix_cache_ttft; run when the
