@@ -242,13 +242,8 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
         chunks = [rows for rows in PREFILL_KERNEL_ROWS if rows in backend.prefill_buckets]
         if chunks:
             progress(f"per-kernel breakdown of one prefill chunk of {' and '.join(map(str, chunks))} rows")
-            try:  # new on 2026-12-06 and not yet run on a GPU: a failure costs this table, not the run
-                result["prefill_kernels"] = [{"rows": rows, "kernels": prefill_kernel_breakdown(backend, rows)}
-                                             for rows in chunks]
-            except Exception as failure:
-                result["prefill_kernels_error"] = f"{type(failure).__name__}: {failure}"
-                progress(f"prefill breakdown failed: {result['prefill_kernels_error']}")
-                backend.reset([0], SamplingParams())
+            result["prefill_kernels"] = [{"rows": rows, "kernels": prefill_kernel_breakdown(backend, rows)}
+                                         for rows in chunks]
         if backend.max_context > PREFIX_CONTEXT:
             progress(f"prefix cache: {PREFIX_CONTEXT} prompt tokens, the last {PREFIX_CHANGED} new")
             result["prefix_cache"] = prefix_cache_ttft(backend, cfg.vocab_size, settings.repeats, rng)
