@@ -109,7 +109,7 @@ SWIZZLED_ROW_BYTES = 128  # the 128-byte swizzle's row: an X box row is one
 
 # --- The copy: cp.async.bulk.tensor.2d and its simulator twin ------------------------------------
 
-_simulated_maps: dict[int, tuple] = {}  # the simulator's maps: key -> (array, rows, box_inner, box_rows, swizzle)
+_simulated_maps: dict[int, tuple] = {}  # the simulator's tensor maps: key -> (array, box_inner, box_rows, swizzle)
 _map_keys = itertools.count(1)
 
 

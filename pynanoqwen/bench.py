@@ -22,10 +22,6 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
   prompt-lookup verify pass), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the
   linears at every row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s
   the H200 reaches in dense bf16 (PEAK_TFLOPS).
-- Prefill kernels: one prefill chunk of 512 and of 2048 rows (PREFILL_KERNEL_ROWS, those that are
-  buckets of the engine), each stage with all its launches replayed in its own graph as the decode
-  breakdown does; their sum against the TTFT of that many tokens says how much of a prompt's time
-  lies between the kernels.
 - Prefix cache: TTFT of a 4006-token prompt whose first 3990 tokens an earlier request left in the
   prefix cache (an editor's /infill after one edited line), as serve's engine runs it but without
   HTTP, next to a prompt of only the tokens it computed (`prefix_cache_ttft`).
@@ -59,7 +55,6 @@ from .sampling import SamplingParams
 # The sampled run: Qwen2.5-Instruct's sampling, whose top-k / top-p take the candidates sampler.
 SAMPLED = SamplingParams(**QWEN_SAMPLING, seed=1)
 MIN_TOKENS_FOR_ITL = 3  # a run's first gap overlaps the next step's launch (BenchSettings.validate)
-PREFILL_KERNEL_ROWS = (512, 2048)  # the chunks whose stages the prefill breakdown times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,11 +234,6 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.prefill_lengths:
         progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
         result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
-        chunks = [rows for rows in PREFILL_KERNEL_ROWS if rows in backend.prefill_buckets]
-        if chunks:
-            progress(f"per-kernel breakdown of one prefill chunk of {' and '.join(map(str, chunks))} rows")
-            result["prefill_kernels"] = [{"rows": rows, "kernels": prefill_kernel_breakdown(backend, rows)}
-                                         for rows in chunks]
         if backend.max_context > PREFIX_CONTEXT:
             progress(f"prefix cache: {PREFIX_CONTEXT} prompt tokens, the last {PREFIX_CHANGED} new")
             result["prefix_cache"] = prefix_cache_ttft(backend, cfg.vocab_size, settings.repeats, rng)
@@ -469,23 +459,10 @@ def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try
 
 
 def kernel_breakdown(backend, context: int) -> list[dict]:
-    """One decode step's stages, each timed in its own graph (engine.probes.kernel_groups)."""
-    return time_groups(backend, backend.kernel_groups(context))
-
-
-def prefill_kernel_breakdown(backend, rows: int) -> list[dict]:
-    """One prefill chunk's stages at `rows` tokens, each timed in its own graph
-    (engine.probes.prefill_kernel_groups)."""
-    return time_groups(backend, backend.prefill_kernel_groups(rows))
-
-
-def time_groups(backend, groups) -> list[dict]:
-    """us (and GB/s of the bytes they must move) of each group of launches, replayed in a graph of
-    its own; the engine reset after each (the groups write the KV cache)."""
     from .gpu_timing import time_graph
 
     rows = []
-    for name, enqueue, launches, nbytes in groups:
+    for name, enqueue, launches, nbytes in backend.kernel_groups(context):
         seconds = time_graph(backend.stream, enqueue)
         rows.append({"name": name, "launches": launches, "us": seconds * 1e6, "bytes": nbytes,
                      "gbs": nbytes / seconds / 1e9 if nbytes else None})

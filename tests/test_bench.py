@@ -39,9 +39,6 @@ def fake_result(rng):
                      "tflops": 221.0, "peak_tflops": 790.0}],
         "gemm": [{"name": "gate_up", "n": 18944, "k": 3584, "m": 512, "tile": "large", "default": True,
                   "us": 516.0, "tflops": 269.4, "peak_tflops": 790.0}],
-        "prefill_kernels": [{"rows": 512, "kernels": [
-            {"name": "qkv gemm", "launches": 28, "us": 1215.2, "bytes": 2.6e8, "gbs": 214.0, "share": 0.25},
-            {"name": "gate_up gemm", "launches": 28, "us": 3645.6, "bytes": 1.1e9, "gbs": 301.7, "share": 0.75}]}],
         "prefill_attention": [{"tokens": 8192, "chunks": 4, "us_per_layer": 3210.0, "ms_all_layers": 89.9,
                                "tflops": 150.4, "peak_tflops": 790.0}],
         "prefix_cache": {"prompt_tokens": 4006, "computed_tokens": 22, "ttft_ms": bench_report.summarize([8.2, 8.3]),
@@ -79,9 +76,6 @@ def test_markdown_report_has_every_section():
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
     assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 | 34% |" in text
     assert "| 8192 | 4 | 3210.0 | 89.9 | 150 | 19% |" in text
-    assert "| kernel (one prefill chunk of 512 rows) | launches | us total | share of chunk |" in text
-    assert "| gate_up gemm | 28 | 3645.6 | 75.0% |" in text
-    assert "The stages sum to 4.86 ms of the 30.50 ms TTFT of a 512-token prompt" in text
     assert "TTFT 8.25 (8.21-8.29) ms for 4006 prompt tokens, 22 of them computed; 7.45 (7.41-7.49) ms" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
