@@ -101,7 +101,8 @@ def split_k_kernel(n: int, k: int, tiles: SplitKTile):
             load_stage(x, m, q, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), first_tile + ahead, m0, n0)
         cp_async_commit_group()
         stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
-        unpack_fragments(tile, stage_word + w_word, unpack, scale_a, scale_b, a)
+        word_a = stage_word + w_word
+        unpack_fragments(tile, word_a, word_a + U(8 * W_ROW_WORDS), unpack, scale_a, scale_b, a)
         wgmma_fence()
         for j in range(4):
             wgmma_f16(acc, TOKENS, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, stage_word + U(8 * j))

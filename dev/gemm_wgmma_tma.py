@@ -1,13 +1,6 @@
-"""The wgmma INT4 GEMM fed by the Tensor Memory Accelerator: one producing thread, no copy arithmetic
-in the consumer warps, an mbarrier pair a stage instead of a block barrier a k tile.
-
-The product's prefill GEMM (pynanoqwen/kernels/gemm_int4_wgmma.py; read it first) stops near 60%
-of the tensor cores' rate. Nsight Compute (docs/PERFORMANCE.md, "Prefill, 2026-12-03") found it
-bound by instruction issue and latency with two warps a scheduler: ~309 executed instructions a
-warp and k tile, of which the unpack is ~70 and the 16-byte cp.async copies of X and W, their
-addresses and predicates, and the block barrier that publishes them, most of the rest (after
-copy_plan, the k loop of gate_up at 128 x 128 is still 347 PTX instructions for two k tiles:
-dev/ptx_loop_mix.py). Here the copies are the copy engine's:
+"""The forms of the TMA-fed wgmma INT4 GEMM that the product did not take: a producer warp of its own,
+thread 0 producing at 128 tokens or with lag 1, and K in chunks. The product's form (thread 0, 128
+x 256, 4 stages, lag 0, one K chunk) is kernels/gemm_int4_tma.py; read it first. Here:
 
 - a producer issues, for each k tile, two or three `cp.async.bulk.tensor.2d` copies (TMA, PTX ISA
   "cp.async.bulk.tensor"): the X tile (64 k x TOKENS tokens of FP16, written in the 128-byte
@@ -37,14 +30,7 @@ The consumers do what the product's do, in the same order: unpack the lane's pai
 chunks (sequential form), the same epilogues. So every accumulator sums the same products in the
 same order, and `check` asks for the product's bits, not only float64's bound.
 
-Tensor maps. A map describes a 2-D array in global memory (dims, row stride, box, swizzle); the
-host encodes it with the driver's cuTensorMapEncodeTiled and copies its 128 bytes to device memory,
-where the kernel's copies name it by address (a `__grid_constant__` parameter, CUDA C++'s way,
-has no Numba spelling). The producer's `fence.proxy.tensormap::generic.acquire` makes the bytes
-written through the ordinary proxy visible to the copy engine's. X's map holds M (rows past it
-read as zeros) and the buffer's address, so it is encoded per (buffer, M): an engine would keep
-one per captured prompt bucket, encoded before capture (the copy of a map to the device is a
-synchronous memcpy, which a capturing stream does not allow).
+Tensor maps, the copy and its simulator twin: ptx/tensor_copy.py.
 
 Measured on an H100 (docs/PERFORMANCE.md, "2026-12-06, midday"): the product's bits at every
 7B linear and tile. The 256-token tile with thread 0 producing (4 stages, lag 0) is the fastest
@@ -56,8 +42,9 @@ The producer warp at 128 x 128 is 3-12% faster than the product's default where 
 fifth stage with lag 1 is slower in both forms (not explained). The first prediction, 10-30% from
 the copies' bookkeeping alone, held only at 256 tokens: at 128 the k loop of gate_up is 311 PTX
 instructions for two k tiles against the product's 347, the unpack (fma 64, and 50, prmt 32)
-most of both. Not in the product yet: the engine needs a tensor map per prompt bucket and buffer,
-and its prefill tests on the GPU. (tests/test_dev_variants.py compiles the Python function,
+most of both. Thread 0 at 128 tokens and lag 0 (the evening's run) is slower than the cp.async
+kernel everywhere, down_proj in 4 chunks included (166.3 / 652.5 against 154.8 / 606.5 us at 512 /
+2048 rows): so no TMA form for down_proj. (tests/test_dev_variants.py compiles the Python function,
 without the launch bound, so it sees the unbounded register counts.)
 
     python dev/gemm_wgmma_tma.py
@@ -71,157 +58,31 @@ times them.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import itertools
-import threading
 
 import numpy as np
-from llvmlite import ir
 from numba import cuda, float32, types, uint32, uint64
-from numba.cuda.extending import intrinsic
 
 from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, product_gemm, random_int4, run, time_calls, \
     time_product_gemm
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
-from pynanoqwen.kernels.call_free import silu
 from pynanoqwen.kernels.gemm_int4 import _weights
-from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, WG2_T256, default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_tma import tma_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
-    check_chunks, dequantize_pair
+    check_chunks, tile_epilogue, tile_multiply
 from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
     SELECT_BYTES_0_1, SELECT_BYTES_2_3
 from pynanoqwen.launch import launch
 from pynanoqwen.oracles import passed
-from pynanoqwen.ptx import SIMULATOR, simulator_twin
-from pynanoqwen.ptx.bulk_copy import SIMULATED_COPY_DELAY
-from pynanoqwen.ptx.mbarrier import barrier_address, complete_tx_simulated, fence_barrier_init, inline_ptx, \
-    mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, mbarrier_wait, shared_address
-from pynanoqwen.ptx.mma import _element_pointer, _is_words, ld_shared_v4_u32
-from pynanoqwen.ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_commit_group, \
-    wgmma_f16, wgmma_fence, wgmma_wait_group
+from pynanoqwen.ptx import SIMULATOR
+from pynanoqwen.ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
+    mbarrier_wait
+from pynanoqwen.ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d, tensor_map
+from pynanoqwen.ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_wait_group
 
 U = np.uint32
-TENSOR_MAP_WORDS = 16  # a CUtensorMap: 128 opaque bytes, 64-byte aligned (device allocations are)
-SWIZZLED_ROW_BYTES = 128  # the 128-byte swizzle's row: an X box row is one
-
-
-# --- The copy: cp.async.bulk.tensor.2d and its simulator twin ------------------------------------
-
-_simulated_maps: dict[int, tuple] = {}  # the simulator's tensor maps: key -> (array, box_inner, box_rows, swizzle)
-_map_keys = itertools.count(1)
-
-
-def tensor_map(array, box_inner: int, box_rows: int, swizzle: bool, rows: int | None = None):
-    """A device copy of the tensor map of 2-D `array` (rows x inner elements, C order; only its
-    first `rows` rows, all by default): boxes of box_rows x box_inner elements, written to shared
-    memory in the 128-byte swizzle when `swizzle` (box_inner elements must then be 128 bytes),
-    rows and columns past the array read as zeros."""
-    rows = array.shape[0] if rows is None else rows
-    inner = array.shape[1]
-    if SIMULATOR:
-        key = next(_map_keys)
-        _simulated_maps[key] = (getattr(array, "_ary", array), rows, box_inner, box_rows, swizzle)
-        words = np.zeros(TENSOR_MAP_WORDS, np.uint64)
-        words[0] = key
-        return cuda.to_device(words)
-    from cuda.bindings import driver as cu
-
-    dtypes = {np.dtype(np.float16): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-              np.dtype(np.uint32): cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32}
-    swizzle_mode = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else \
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
-    error, encoded = cu.cuTensorMapEncodeTiled(
-        dtypes[np.dtype(array.dtype)], 2, array.device_ctypes_pointer.value,
-        [cu.cuuint64_t(inner), cu.cuuint64_t(rows)], [cu.cuuint64_t(inner * array.dtype.itemsize)],
-        [cu.cuuint32_t(box_inner), cu.cuuint32_t(box_rows)], [cu.cuuint32_t(1), cu.cuuint32_t(1)],
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle_mode,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if error != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled: {error}")
-    return cuda.to_device(np.frombuffer(ctypes.string_at(encoded.getPtr(), 8 * TENSOR_MAP_WORDS), np.uint64).copy())
-
-
-def tensor_copy_2d_simulated(tile, word, tmap, inner, row, bars, index):
-    """The copy engine's box: read at issue, landed (swizzled) a little later, then complete_tx."""
-    source, rows, box_inner, box_rows, swizzle = _simulated_maps[int(tmap[0])]
-    inner, row = int(inner), int(row)
-    box = np.zeros((box_rows, box_inner), source.dtype)
-    if row < rows and inner < source.shape[1]:
-        found = source[row:min(rows, row + box_rows), inner:inner + box_inner]
-        box[:found.shape[0], :found.shape[1]] = found
-    data = box.view(np.uint8).reshape(box_rows, -1)
-    start = 4 * int(word)
-    if start % (SWIZZLE_ATOM_BYTES if swizzle else 128):
-        raise RuntimeError(f"cp.async.bulk.tensor: shared byte {start} is not aligned for this box")
-    if swizzle:
-        if data.shape[1] != SWIZZLED_ROW_BYTES:
-            raise RuntimeError("cp.async.bulk.tensor: a 128-byte swizzle needs 128-byte box rows")
-        chunks = data.reshape(box_rows, 8, 16)
-        swizzled = np.empty_like(chunks)
-        for r in range(box_rows):
-            swizzled[r, np.arange(8) ^ (r % 8)] = chunks[r]
-        data = swizzled
-    payload = data.reshape(-1).copy()
-    target = tile.view(np.uint8)
-    if start + payload.size > target.size:
-        raise RuntimeError("cp.async.bulk.tensor: the box overruns the shared tile")
-
-    def land():
-        target[start:start + payload.size] = payload
-        complete_tx_simulated(bars, index, payload.size)
-
-    threading.Timer(SIMULATED_COPY_DELAY, land).start()
-
-
-@simulator_twin(tensor_copy_2d_simulated)
-@intrinsic
-def tensor_copy_2d(typingctx, tile, word, tmap, inner, row, bars, index):
-    """Copy the box at (inner, row) of the tensor map at tmap (a device uint64[16]) into shared
-    tile[word:], completing its bytes on bars[index]:
-    `cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes` (sm_90)."""
-    if not (_is_words(tile) and isinstance(word, types.Integer) and isinstance(tmap, types.Array)
-            and tmap.dtype == types.uint64 and isinstance(inner, types.Integer) and isinstance(row, types.Integer)
-            and isinstance(bars, types.Array) and bars.dtype == types.uint64 and isinstance(index, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        tile_t, word_t, map_t, inner_t, row_t, bars_t, index_t = sig.args
-        tile_v, word_v, map_v, inner_v, row_v, bars_v, index_v = args
-        dst = shared_address(context, builder, _element_pointer(context, builder, tile_t, tile_v, word_t, word_v))
-        map_pointer = context.make_array(map_t)(context, builder, value=map_v).data
-        map_address = builder.ptrtoint(map_pointer, ir.IntType(64))
-        bar = barrier_address(context, builder, bars_t, bars_v, index_t, index_v)
-        inline_ptx(builder, "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                            "[$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}",
-                   [dst, map_address, context.cast(builder, inner_v, inner_t, types.int32),
-                    context.cast(builder, row_v, row_t, types.int32), bar])
-        return context.get_dummy_value()
-
-    return types.void(tile, word, tmap, inner, row, bars, index), codegen
-
-
-def _acquire_map_simulated(tmap):
-    return None
-
-
-@simulator_twin(_acquire_map_simulated)
-@intrinsic
-def acquire_tensor_map(typingctx, tmap):
-    """`fence.proxy.tensormap::generic.acquire.gpu [tmap], 128;`: the map's bytes, written by an
-    ordinary copy, as the copy engine will read them."""
-    if not (isinstance(tmap, types.Array) and tmap.dtype == types.uint64):
-        return None
-
-    def codegen(context, builder, sig, args):
-        pointer = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-        inline_ptx(builder, "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
-                   [builder.ptrtoint(pointer, ir.IntType(64))])
-        return context.get_dummy_value()
-
-    return types.void(tmap), codegen
 
 
 # --- The kernel ---------------------------------------------------------------------------------
@@ -250,14 +111,13 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     if n % COLS or k % GROUP_SIZE:
         raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
     WIDTH = min(TOKENS, SHAPES_N[-1])
-    HALVES = TOKENS // WIDTH
     ACCUMULATORS = WIDTH // 2
-    HALF_WORDS = WIDTH // 8 * (SWIZZLE_ATOM_BYTES // 4)
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
     STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
     GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
-    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
+    GATE_UP = matrices == 2
+    multiply, store = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue)
 
     @cuda.jit(device=True, inline="always")
     def acquire_maps(x_map, w_map0, w_map1):
@@ -282,23 +142,6 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
                            stage)
 
     @cuda.jit(device=True, inline="always")
-    def unpack(tile, word_a, word_b, constants, scale_a, scale_b, a):
-        """This lane's A fragments of a k tile (the product's unpack_fragments, its two rows at any
-        two shared words: gate/up's up row is COLS rows after its gate row here, not 8)."""
-        selector, mask, multiplier, offset = constants
-        a0, a1, a2, a3 = ld_shared_v4_u32(tile, word_a)
-        a4, a5, a6, a7 = ld_shared_v4_u32(tile, word_a + U(4))
-        b0, b1, b2, b3 = ld_shared_v4_u32(tile, word_b)
-        b4, b5, b6, b7 = ld_shared_v4_u32(tile, word_b + U(4))
-        row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
-        row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
-        for j in range(4):
-            a[4 * j] = dequantize_pair(row_a[2 * j], selector, mask, multiplier, offset, scale_a)
-            a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
-            a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
-            a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
-
-    @cuda.jit(device=True, inline="always")
     def consume(maps, tile, ring, full, empty, kt, m0, n0, offset_a, offset_b, constants, scale_a, scale_b, a, acc,
                 acc_high):
         """k tile kt: (the lane producer: refill the stage LAG + 2 tiles back with tile kt + AHEAD)
@@ -309,15 +152,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
         stage = kt % U(STAGES)
         mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
         word = ring + stage * U(STAGE_WORDS)
-        unpack(tile, word + offset_a, word + offset_b, constants, scale_a, scale_b, a)
-        wgmma_fence()
-        for j in range(4):
-            wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, word + U(8 * j))
-            if HALVES == 2:
-                wgmma_f16(acc_high, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile,
-                          word + U(HALF_WORDS + 8 * j))
-        wgmma_commit_group()
-        wgmma_wait_group(1)
+        multiply(tile, word, word + offset_a, word + offset_b, constants, scale_a, scale_b, a, acc, acc_high)
         if kt > U(0):
             mbarrier_arrive(empty, (kt - U(1)) % U(STAGES))
 
@@ -408,34 +243,9 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
             for c in range(ACCUMULATORS):
                 total[c] = acc[c]
 
-        # acc[4i + 2h + e] is D[row + 8h, token 8i + 2t + e], as in the product's epilogue
-        for half in range(HALVES):
-            for i in range(WIDTH // 8):
-                for e in range(2):
-                    token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
-                    if token < m:
-                        first_value = acc_high[4 * i + e] if half else total[4 * i + e]
-                        second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
-                        at = token * U(n) + n0
-                        if GATE_UP:
-                            out[at + col_a] = silu(first_value) * second
-                        else:
-                            if BIAS:
-                                first_value += float32(bias_values[n0 + col_a])
-                                second += float32(bias_values[n0 + col_b])
-                            if RESIDUAL:
-                                out[at + col_a] += first_value
-                                out[at + col_b] += second
-                            else:
-                                out[at + col_a] = first_value
-                                out[at + col_b] = second
+        store(out, bias_values, total, acc_high, m, m0, n0, col_a, col_b, t)
 
     return tma_gemm
-
-
-def tma_signature(out=types.float32):
-    maps, bits = types.uint64[::1], types.uint16[::1]
-    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1])
 
 
 def threads(tiles: WgmmaTile, lane_lag: int | None = None) -> int:
@@ -470,13 +280,13 @@ class TmaGemm:
                 out.reshape(out.size)), self.tiles.dynamic_shared_bytes, dependent=False)
 
 
-# What is timed, (tiles, lane_lag): a producer warp at the product's 128-token tile (9 warps: 168
-# registers a thread), and thread 0 producing (8 warps) at 128 and 256 tokens; with lag 1 the other
-# warps may run a tile further behind thread 0 before it waits for them, at the price of a stage.
-# Thread 0 at 128 tokens and lag 0 (added after the run in docs/PERFORMANCE.md, not yet timed) is
-# down_proj's candidate: 8 warps leave its K chunks' totals the registers the warp form spilled.
+# What is timed, (tiles, lane_lag): a producer warp at the 128-token tile (9 warps: 168 registers a
+# thread), and thread 0 producing (8 warps) at 128 and 256 tokens; with lag 1 the other warps may
+# run a tile further behind thread 0 before it waits for them, at the price of a stage. Thread 0 at
+# 256 tokens and lag 0, the fastest, is the product's kernel (gemm_int4_tma.py, the "product" column
+# where it is the default tile).
 TMA_TILES = {"warp 128x128": (WG2_T128, None), "lane 128x128 s4 lag0": (WG2_T128, 0),
-             "lane 128x128 s5 lag1": (WgmmaTile(2, 128, stages=5), 1), "lane 128x256 s4 lag0": (WG2_T256, 0),
+             "lane 128x128 s5 lag1": (WgmmaTile(2, 128, stages=5), 1),
              "lane 128x256 s5 lag1": (WgmmaTile(2, 256, stages=5), 1)}
 CHECKED_ROWS = (7, 512)  # against float64: a partial token tile, and bench's short prompt
 BITS_ROWS = (512,)  # against the product's bits on the same tile: two or more token blocks at every tile

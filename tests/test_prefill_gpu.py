@@ -344,7 +344,7 @@ def test_a_reused_prefix_gives_the_kv_and_tokens_of_a_cold_run_small(backend_sma
 @pytest.mark.slow
 def test_a_reused_prefix_gives_the_kv_and_tokens_of_a_cold_run_7b(backend_7b):
     """3000 tokens, then 2990 of them and 20 more: 2976 reused, a 34-row chunk at 2976 (WG1_T64),
-    against chunks of 2048 and 962 rows cold (WG1_T128, WG2_T128, WG2_T256)."""
+    against chunks of 2048 and 962 rows cold (WG1_T128, WG2_T128 and TMA_T256)."""
     rng = np.random.default_rng()
     a, b = shared_prefix_prompts(rng, SEVEN_B.vocab_size, 2990, 3000, 3010)
     result = warm_against_cold(backend_7b, a, b)

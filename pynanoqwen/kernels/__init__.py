@@ -41,7 +41,7 @@ def kernel_path(gemv: str, k: int) -> str:
     return "prmt" if k >= LONG_K else "fixed16"
 
 KERNEL_MODULES = ("gemv_int4", "quantize_activation", "gemv_fp16", "embedding", "rmsnorm", "rope_kv_write",
-                  "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "embedding_prefill",
+                  "attention_decode", "attention_prefill", "page_alloc", "sampling", "gemm_int4", "gemm_int4_tma", "embedding_prefill",
                   "page_alloc_prefill", "last_row_prefill")
 
 

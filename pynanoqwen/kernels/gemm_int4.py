@@ -93,6 +93,7 @@ from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_a
 from . import CompileTarget, on_device
 from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, TILE_NAMES, \
     TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, k_chunks, matrices_of
+from .gemm_int4_tma import TensorMaps, TmaTile, tma_gemm_kernel
 from .gemm_int4_wgmma import WgmmaTile, has_split_form, wgmma_gemm_kernel
 from .int4_unpack import unpack8
 
@@ -126,6 +127,10 @@ def gemm_kernel(n: int, k: int, tiles, epilogue: str, chunks: int = 1):
     """
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
+    if isinstance(tiles, TmaTile):  # its operands differ: tensor maps of X and W (GemmTiling.launch)
+        if chunks != 1:
+            raise ValueError(f"the TMA kernel ({tiles}) sums K in one chunk, not {chunks}")
+        return tma_gemm_kernel(n, k, tiles, epilogue)
     if isinstance(tiles, WgmmaTile):
         return wgmma_gemm_kernel(n, k, tiles, epilogue, chunks)
     if chunks != 1:
@@ -297,6 +302,7 @@ class GemmTiling:
             shape.check(matrices)
             if n % (shape.block_n // matrices):
                 raise ValueError(f"N={n} is not a multiple of {shape.block_n // matrices} ({shape})")
+        self.tensor_maps: dict = {}  # TmaTile -> its TensorMaps, made at the first launch on it
         # What a launch without the split form passes for its partials and counters (read by no one).
         self._no_workspace = (cuda.device_array(1, np.float32), cuda.device_array(1, np.uint32))
 
@@ -312,6 +318,14 @@ class GemmTiling:
         if m < 1:
             return
         grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
+        if isinstance(tiles, TmaTile):  # X and W through tensor maps, made once each (gemm_int4_tma.TensorMaps)
+            if tiles not in self.tensor_maps:
+                self.tensor_maps[tiles] = TensorMaps(self.n, self.k, tiles, [q0, q1][:self.matrices])
+            maps = self.tensor_maps[tiles]
+            launch(kernel, grid, tiles.threads, stream, (maps.x(x, m), U(m), maps.weights[0], s0, maps.weights[-1], s1,
+                                                         bias, out.reshape(out.size)),
+                   tiles.dynamic_shared_bytes, dependent=False)
+            return
         # Too few blocks for the SMs: each takes one K chunk (the split form, same bits).
         split = has_split_form(tiles, chunks) and workspace is not None \
             and workspace.fits(grid, tiles.block_m, self.n, chunks) and grid[0] * grid[1] < sm_count()

@@ -1,8 +1,9 @@
 """The tile shapes of the INT4 GEMM (kernels/gemm_int4.py) and which one serves which prompt size.
 
-Two kernels compute the GEMM, told apart by the type of their tile: a `TileShape` is the mma.sync
+Three kernels compute the GEMM, told apart by the type of their tile: a `TileShape` is the mma.sync
 kernel's (gemm_int4.py: BLOCK_M activation rows x BLOCK_N weight rows split over warps), a
-`WgmmaTile` the wgmma kernel's (gemm_int4_wgmma.py: warpgroups of 64 weight rows x tokens). The
+`WgmmaTile` the wgmma kernel's (gemm_int4_wgmma.py: warpgroups of 64 weight rows x tokens), and a
+`TmaTile`, a WgmmaTile too, the same kernel fed by TMA (gemm_int4_tma.py). The
 product keeps the tiles some default uses, and bench's GEMM table times all of them (TILE_NAMES);
 `default_tiles_for` is the choice, from that table's measurements (docs/PERFORMANCE.md).
 """
@@ -13,6 +14,7 @@ import dataclasses
 
 from ..config import GROUP_SIZE
 from ..device import STATIC_SHARED_BYTES
+from .gemm_int4_tma import TMA_T256
 from .gemm_int4_wgmma import GemmTile, WgmmaTile
 
 K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
@@ -61,7 +63,7 @@ WG1_T128 = WgmmaTile(1, 128)  # 64 x 128
 WG2_T128 = WgmmaTile(2, 128)  # 128 x 128: the token tile serves two warpgroups
 WG2_T256 = WgmmaTile(2, 256)  # 128 x 256: long prompts
 TILE_NAMES = {SMALL: "small", WG1_T64: "wgmma_64x64", WG1_T128: "wgmma_64x128", WG2_T128: "wgmma_128x128",
-              WG2_T256: "wgmma_128x256"}
+              WG2_T256: "wgmma_128x256", TMA_T256: "tma_128x256"}
 """Every tile bench's GEMM table times; the name says weight rows x tokens of a wgmma block."""
 
 
@@ -78,7 +80,15 @@ def candidate_tiles(n: int, k: int, epilogue: str, tiles_to_try=None) -> list:
 
 
 SHORT_PROMPT_ROWS = 128  # up to here the 64-token tiles win
-LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win for o_proj and down_proj (bench, M = 2048)
+LONG_PROMPT_ROWS = 1024  # from here on the 256-token tiles win for qkv, o_proj and down_proj (bench, M = 2048)
+TMA_GATE_UP_ROWS = 512  # from here gate/up runs TMA_T256 where its padding is WG2_T128's (M % 256 == 0) or M is long
+
+
+def tma_gate_up(m: int) -> bool:
+    """Whether gate/up at M rows runs TMA_T256: 0.90x WG2_T128's time at 512 rows and 0.83x at 2048
+    (H100, 2026-12-06), so it pays where its 256-token tiles pad no more rows than WG2_T128's 128,
+    and from LONG_PROMPT_ROWS, where 0.83 x (M rounded up to 256) < M rounded up to 128."""
+    return m >= TMA_GATE_UP_ROWS and (m % 256 == 0 or m >= LONG_PROMPT_ROWS)
 
 
 # K chunks of a long K (down_proj's 18944 at 7B) on the wgmma tiles that can sum them
@@ -98,7 +108,7 @@ def k_chunks(k: int, tiles, epilogue: str, wanted: int | None = None) -> int:
     M, so every default tile of a linear sums a row alike (rows_sum_alike)."""
     if wanted is None:
         wanted = K_CHUNKS if k >= CHUNKED_K else 1
-    if not isinstance(tiles, WgmmaTile) or epilogue == "gate_up_silu" or tiles.tokens > 128 \
+    if not isinstance(tiles, WgmmaTile) or not tiles.chunked or epilogue == "gate_up_silu" or tiles.tokens > 128 \
             or k // GROUP_SIZE < wanted:
         return 1
     return wanted
@@ -123,25 +133,30 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     tile of bench's GEMM table on the H200 at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md,
     "Prefill GEMM"), and WG1_T64 below 64 rows, where it beats mma.sync's SMALL (docs/PERFORMANCE.md,
     "Prefill GEMM at a few rows"):
-    - qkv: WG1_T64 to SHORT_PROMPT_ROWS, then WG1_T128;
-    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, WG2_T256
-      from there where it sums K in the same chunks as WG2_T128 (it has no registers for more
-      than one: k_chunks);
+    - qkv: WG1_T64 to SHORT_PROMPT_ROWS, WG1_T128 below LONG_PROMPT_ROWS, then TMA_T256 (H100,
+      2026-12-06: 137.7 against WG1_T128's 154.9 us at 2048 rows, 43.3 against 42.5 at 512);
+    - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, TMA_T256
+      from there where it sums K in the same chunks as WG2_T128 (a 256-token tile has no registers
+      for more than one: k_chunks; o_proj 118.6 against WG2_T256's 129.4 us at 2048 rows);
     - gate_up: WG1_T64 to 64 rows, WG1_T128 to SHORT_PROMPT_ROWS, WG2_T128 from there (2026-12-03:
-      280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048).
-    Every default is deterministic and sums a linear's rows one way at every M (rows_sum_alike).
+      280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048),
+      and TMA_T256 where tma_gate_up says (243.5 against 270.7 us at 512, 909.3 against 1095.5 at
+      2048: dev/gemm_wgmma_tma.py; whole prompts in docs/PERFORMANCE.md, "TMA").
+    Every default is deterministic and sums a linear's rows one way at every M (rows_sum_alike: the
+    TMA kernel's sums are the cp.async kernel's, gemm_int4_tma.py).
     Where the chosen tile does not fit the shape (a small model's) WG1_T64 serves, which sums
     alike, and where no wgmma tile fits, SMALL serves every M.
     """
     if epilogue == "gate_up_silu":
-        tiles = WG1_T64 if m <= 64 else WG1_T128 if m <= SHORT_PROMPT_ROWS else WG2_T128
+        tiles = WG1_T64 if m <= 64 else WG1_T128 if m <= SHORT_PROMPT_ROWS else TMA_T256 if tma_gate_up(m) \
+            else WG2_T128
     elif m <= SHORT_PROMPT_ROWS:
         tiles = WG1_T64
     elif epilogue == "residual":
-        long_tile = m >= LONG_PROMPT_ROWS and k_chunks(k, WG2_T256, epilogue) == k_chunks(k, WG2_T128, epilogue)
-        tiles = WG2_T256 if long_tile else WG2_T128
+        long_tile = m >= LONG_PROMPT_ROWS and k_chunks(k, TMA_T256, epilogue) == k_chunks(k, WG2_T128, epilogue)
+        tiles = TMA_T256 if long_tile else WG2_T128
     else:
-        tiles = WG1_T128
+        tiles = TMA_T256 if m >= LONG_PROMPT_ROWS else WG1_T128
     for candidate in (tiles, WG1_T64):
         if candidate.fits(n, k, matrices_of(epilogue)):
             return candidate

@@ -130,6 +130,7 @@ class WgmmaTile(GemmTile):
     warpgroups: int
     tokens: int
     stages: int = 4
+    chunked = True  # the kernel can sum K in chunks (the K chunks paragraph); gemm_int4_tma's cannot
 
     @property
     def block_m(self) -> int:  # activation rows per block (gemm_int4's launcher speaks in these)
@@ -160,12 +161,13 @@ class WgmmaTile(GemmTile):
 
 def check_chunks(k: int, tiles: WgmmaTile, epilogue: str, chunks: int) -> None:
     """Raise ValueError unless K splits into `chunks` chunks of whole scale groups that this tile
-    and epilogue can sum (the K chunks paragraph: not gate/up, not a 256-token tile)."""
+    and epilogue can sum (the K chunks paragraph: not gate/up, not a 256-token tile, not the TMA
+    kernel's tiles)."""
     if not 1 <= chunks <= k // GROUP_SIZE:
         raise ValueError(f"K={k} cannot be summed in {chunks} chunks of whole {GROUP_SIZE}-wide groups")
-    if chunks > 1 and (epilogue == "gate_up_silu" or tiles.tokens > SHAPES_N[-1]):
-        raise ValueError(f"{tiles} with the {epilogue} epilogue sums K in one chunk: a chunk total would need "
-                         "registers it does not have")
+    if chunks > 1 and (epilogue == "gate_up_silu" or tiles.tokens > SHAPES_N[-1] or not tiles.chunked):
+        raise ValueError(f"{tiles} with the {epilogue} epilogue sums K in one chunk (a chunk total would need "
+                         "registers it does not have, or the kernel has no chunks)")
 
 
 def has_split_form(tiles, chunks: int) -> bool:
@@ -182,14 +184,15 @@ def dequantize_pair(word, selector, mask, multiplier, offset, scale):
 
 
 @cuda.jit(device=True, inline="always")
-def unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a):
+def unpack_fragments(tile, word_a, word_b, unpack, scale_a, scale_b, a):
     """This lane's A fragments of one 64-wide k tile into a[0..15]: its pair of each of the 8 words
-    of weight rows g (at shared word w_word) and g + 8, times their scales (the Fragments paragraph)."""
+    of its two weight rows, g (at shared word word_a) and g + 8 (at word_b: 8 rows on here, the up
+    row in the TMA kernel's gate/up stage), times their scales (the Fragments paragraph)."""
     selector, mask, multiplier, offset = unpack
-    a0, a1, a2, a3 = ld_shared_v4_u32(tile, w_word)  # row g: k 0..31
-    a4, a5, a6, a7 = ld_shared_v4_u32(tile, w_word + U(4))  # row g: k 32..63
-    b0, b1, b2, b3 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS))  # row g + 8
-    b4, b5, b6, b7 = ld_shared_v4_u32(tile, w_word + U(8 * W_ROW_WORDS + 4))
+    a0, a1, a2, a3 = ld_shared_v4_u32(tile, word_a)  # row g: k 0..31
+    a4, a5, a6, a7 = ld_shared_v4_u32(tile, word_a + U(4))  # row g: k 32..63
+    b0, b1, b2, b3 = ld_shared_v4_u32(tile, word_b)  # row g + 8
+    b4, b5, b6, b7 = ld_shared_v4_u32(tile, word_b + U(4))
     row_a = (a0, a1, a2, a3, a4, a5, a6, a7)
     row_b = (b0, b1, b2, b3, b4, b5, b6, b7)
     for j in range(4):  # k step j: words 2j (k 16j..16j+7) and 2j+1 (k 16j+8..16j+15)
@@ -197,6 +200,70 @@ def unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a):
         a[4 * j + 1] = dequantize_pair(row_b[2 * j], selector, mask, multiplier, offset, scale_b)
         a[4 * j + 2] = dequantize_pair(row_a[2 * j + 1], selector, mask, multiplier, offset, scale_a)
         a[4 * j + 3] = dequantize_pair(row_b[2 * j + 1], selector, mask, multiplier, offset, scale_b)
+
+
+@functools.cache
+def tile_multiply(tokens: int):
+    """multiply(tile, stage_word, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high): this
+    lane's weights of the k tile whose X starts at stage_word (rows at word_a and word_b:
+    unpack_fragments) into a, then the tile's wgmmas as one group (two n128 a k step at 256 tokens,
+    the second into acc_high), then a wait until only that group is in flight: the previous tile's
+    wgmmas are done, so its stage and registers are free. Shared by both wgmma kernels."""
+    WIDTH = min(tokens, SHAPES_N[-1])
+    HALVES = tokens // WIDTH
+    HALF_WORDS = WIDTH // 8 * (SWIZZLE_ATOM_BYTES // 4)  # B words of WIDTH token rows
+
+    @cuda.jit(device=True, inline="always")
+    def multiply(tile, stage_word, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high):
+        unpack_fragments(tile, word_a, word_b, unpack, scale_a, scale_b, a)
+        wgmma_fence()
+        for j in range(4):
+            wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, stage_word + U(8 * j))
+            if HALVES == 2:  # tokens 128..255 of the tile
+                wgmma_f16(acc_high, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile,
+                          stage_word + U(HALF_WORDS + 8 * j))
+        wgmma_commit_group()
+        wgmma_wait_group(1)
+
+    return multiply
+
+
+@functools.cache
+def tile_epilogue(n: int, tokens: int, epilogue: str):
+    """store(out, bias_values, total, acc_high, m, m0, n0, col_a, col_b, t): a lane's accumulators of
+    a TOKENS-token tile through the epilogue into out[M, N], padding tokens skipped. total[4i + 2h +
+    e] is D[row + 8h, token 8i + 2t + e] of the first WIDTH tokens, acc_high the same of tokens
+    WIDTH.. of a 256-token tile; row h = 0 is output column col_a, h = 1 col_b (for gate/up, h = 0
+    is the gate and h = 1 the up projection of column col_a). Shared by both wgmma kernels (this
+    one and gemm_int4_tma.py), so that their outputs round alike."""
+    WIDTH = min(tokens, SHAPES_N[-1])
+    HALVES = tokens // WIDTH
+    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", epilogue == "gate_up_silu"
+
+    @cuda.jit(device=True, inline="always")
+    def store(out, bias_values, total, acc_high, m, m0, n0, col_a, col_b, t):
+        for half in range(HALVES):
+            for i in range(WIDTH // 8):
+                for e in range(2):
+                    token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
+                    if token < m:
+                        first = acc_high[4 * i + e] if half else total[4 * i + e]
+                        second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
+                        at = token * U(n) + n0
+                        if GATE_UP:  # first is the gate, second the up projection of column col_a
+                            out[at + col_a] = silu(first) * second
+                        else:
+                            if BIAS:
+                                first += float32(bias_values[n0 + col_a])
+                                second += float32(bias_values[n0 + col_b])
+                            if RESIDUAL:
+                                out[at + col_a] += first
+                                out[at + col_b] += second
+                            else:
+                                out[at + col_a] = first
+                                out[at + col_b] = second
+
+    return store
 
 
 @functools.cache
@@ -212,11 +279,10 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
     COLS = ROWS // matrices  # output columns per block
     if n % COLS or k % GROUP_SIZE:
         raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
-    ATOM_WORDS = SWIZZLE_ATOM_BYTES // 4
-    WIDTH = min(TOKENS, SHAPES_N[-1])  # wgmma n: a 256-token tile issues two n128 wgmmas (two accumulator
-    HALVES = TOKENS // WIDTH  # arrays: LLVM keeps a 128-float local array in memory, 64 in registers)
+    # wgmma n: a 256-token tile issues two n128 wgmmas (tile_multiply) into two accumulator arrays
+    # (LLVM keeps a 128-float local array in memory, 64 in registers)
+    WIDTH = min(TOKENS, SHAPES_N[-1])
     ACCUMULATORS = WIDTH // 2
-    HALF_WORDS = WIDTH // 8 * ATOM_WORDS  # B words of WIDTH token rows
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
     X_CHUNKS, W_CHUNKS = TOKENS * X_ROW_WORDS // 4, ROWS * W_ROW_WORDS // 4  # 16-byte copies per stage
@@ -224,7 +290,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
     X_WORDS, W_WORDS, GROUPS = k // 2, k // 8, k // GROUP_SIZE  # words of one X row / W row; scale groups
     AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
     WAIT = STAGES - 3  # copy groups that may stay pending when tile kt must have landed
-    BIAS, RESIDUAL, GATE_UP = epilogue == "bias", epilogue == "residual", matrices == 2
+    GATE_UP = matrices == 2
+    multiply_tile, store = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue)
 
     @cuda.jit(device=True, inline="always")
     def weight_row(r):
@@ -278,19 +345,6 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
         return bits | (bits << U(16))
 
     @cuda.jit(device=True, inline="always")
-    def multiply_tile(tile, stage_word, w_word, unpack, scale_a, scale_b, a, acc, acc_high):
-        """Unpack this lane's weights of the k tile at stage_word into a, then issue its wgmmas."""
-        unpack_fragments(tile, w_word, unpack, scale_a, scale_b, a)
-        wgmma_fence()
-        for j in range(4):
-            wgmma_f16(acc, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile, stage_word + U(8 * j))
-            if HALVES == 2:  # tokens 128..255 of the tile
-                wgmma_f16(acc_high, WIDTH, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], tile,
-                          stage_word + U(HALF_WORDS + 8 * j))
-        wgmma_commit_group()
-        wgmma_wait_group(1)  # the previous tile's wgmmas are done: its stage and registers are free
-
-    @cuda.jit(device=True, inline="always")
     def step(x, q0, q1, tile, ring, kt, kt_end, plan, w_offset, unpack, scale_a, scale_b, a, acc, acc_high):
         """k tile kt of the block's tiles before kt_end: wait, publish, refill, multiply."""
         cp_async_wait_group(WAIT)  # my copies of tile kt have landed...
@@ -301,7 +355,8 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
             load_stage(x, q0, q1, tile, ring + (ahead % U(STAGES)) * U(STAGE_WORDS), ahead, plan)
         cp_async_commit_group()  # possibly empty: keeps one group per k tile
         stage_word = ring + (kt % U(STAGES)) * U(STAGE_WORDS)
-        multiply_tile(tile, stage_word, stage_word + w_offset, unpack, scale_a, scale_b, a, acc, acc_high)
+        w_word = stage_word + w_offset
+        multiply_tile(tile, stage_word, w_word, w_word + U(8 * W_ROW_WORDS), unpack, scale_a, scale_b, a, acc, acc_high)
 
     @cuda.jit(device=True, inline="always")
     def chunk_groups(c):
@@ -357,7 +412,7 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
         a_even = cuda.local.array(16, uint32)  # A fragments of even / odd k tiles: the previous
         a_odd = cuda.local.array(16, uint32)  # tile's wgmma still reads its registers
         acc = cuda.local.array(ACCUMULATORS, float32)
-        acc_high = cuda.local.array(ACCUMULATORS, float32)  # used when HALVES == 2
+        acc_high = cuda.local.array(ACCUMULATORS, float32)  # tokens 128..255 of a 256-token tile
         total = cuda.local.array(ACCUMULATORS, float32)  # the chunks' sums so far (CHUNKS > 1)
         m = U(m)
         m0 = U(cuda.blockIdx.x) * U(TOKENS)
@@ -423,26 +478,6 @@ def wgmma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: i
         elif split and not total_of_splits(partials, counters, m, m0, n0, col_a, col_b, t, total):
             return
 
-        # acc[4i + 2h + e] is D[row_a + 8h, token 8i + 2t + e] (acc_high: token WIDTH + 8i + 2t + e)
-        for half in range(HALVES):
-            for i in range(WIDTH // 8):
-                for e in range(2):
-                    token = m0 + U(half * WIDTH + 8 * i + e) + U(2) * t
-                    if token < m:
-                        first = acc_high[4 * i + e] if half else total[4 * i + e]
-                        second = acc_high[4 * i + 2 + e] if half else total[4 * i + 2 + e]
-                        at = token * U(n) + n0
-                        if GATE_UP:  # first is the gate, second the up projection of column col_a
-                            out[at + col_a] = silu(first) * second
-                        else:
-                            if BIAS:
-                                first += float32(bias_values[n0 + col_a])
-                                second += float32(bias_values[n0 + col_b])
-                            if RESIDUAL:
-                                out[at + col_a] += first
-                                out[at + col_b] += second
-                            else:
-                                out[at + col_a] = first
-                                out[at + col_b] = second
+        store(out, bias_values, total, acc_high, m, m0, n0, col_a, col_b, t)
 
     return gemm_int4_wgmma

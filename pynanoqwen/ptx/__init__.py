@@ -18,6 +18,8 @@ which section of the PTX ISA it comes from. One module per instruction family:
     mma.py    mma.sync m16n8k16, ldmatrix, ld.shared.v4, cp.async: the tensor-core GEMM's feed
     wgmma.py  wgmma.mma_async (A in registers, B by a swizzled shared-memory descriptor), its
               fences and waits: the prefill GEMM on Hopper (sm_90a)
+    tensor_copy.py cp.async.bulk.tensor 2-D boxes through tensor maps (TMA), the maps' encoding and
+              their proxy fence: the prefill GEMM's feed from 512 tokens
     griddep.py griddepcontrol.wait / launch_dependents: programmatic dependent launch (launch.py)
     rendezvous.py how the twins of the cooperative instructions and of mbarrier waits meet other
               simulated threads, and when a simulated wait is a deadlock (simulator only)

@@ -1,5 +1,7 @@
-"""dev/gemm_wgmma_tma.py (the wgmma INT4 GEMM fed by TMA boxes, a producer lane and mbarrier
-pairs) under the CUDA simulator, at tiny tiles, on fresh random inputs:
+"""The wgmma INT4 GEMM fed by TMA boxes, thread 0 producing and mbarrier pairs: the product's
+(kernels/gemm_int4_tma.py, through gemm_int4's factories on a TmaTile) and dev/gemm_wgmma_tma.py's
+other forms (a producer warp of its own, thread 0 at lag 1, K in chunks), under the CUDA simulator,
+at tiny tiles, on fresh random inputs:
 
 - exact operands (test_gemm_sim.py's: every product and partial sum exact in FP32), so the result
   must equal float64 numpy exactly, but for the epilogue's one rounding: a box copied to the wrong
@@ -7,9 +9,8 @@ pairs) under the CUDA simulator, at tiny tiles, on fresh random inputs:
   from the gate box, a stage refilled before its consumers released it (the simulated copy engine
   lands its bytes later, so a stage read before its `full` phase holds the previous tile), or rows
   past M not zero-filled all change it;
-- Gaussian operands: the product's kernel on the same tile and K chunks gives the same bits
-  (the same products summed in the same order).
-Both producers: a warp of its own, and thread 0 refilling between its own k tiles (lag 0 and 1).
+- Gaussian operands: the cp.async kernel (gemm_int4_wgmma.py) on the same tile shape and K chunks
+  gives the same bits (the same products summed in the same order), which the prefix cache needs.
 """
 
 import numpy as np
@@ -18,6 +19,7 @@ from numba import cuda
 
 from gemm_wgmma_tma import TmaGemm
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
+from pynanoqwen.kernels.gemm_int4_tma import TmaTile
 from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from test_gemm_sim import EXTRA_ROWS, U16, U32, exact_activations, exact_linear
@@ -27,38 +29,47 @@ assert SIMULATOR, "tests/sim runs under NUMBA_ENABLE_CUDASIM=1 (see tests/test_s
 ONE_WARPGROUP = WgmmaTile(warpgroups=1, tokens=64, stages=3)
 TWO_WARPGROUPS = WgmmaTile(warpgroups=2, tokens=64, stages=3)  # under the simulator's 48 KiB of shared memory
 FOUR_STAGES = WgmmaTile(warpgroups=1, tokens=64, stages=4)  # thread 0 producing at lag 1 needs a fourth
-CASES = [  # (epilogue, m, n, k, tiles, K chunks, lane_lag: None for the producer warp)
-    ("plain", 70, 64, 256, ONE_WARPGROUP, 1, None),  # 2 token blocks, the second mostly rows past m; the ring wraps
-    ("residual", 1, 64, 384, ONE_WARPGROUP, 1, None),  # one token, 3 scale groups
-    ("bias", 7, 128, 256, ONE_WARPGROUP, 1, None),  # 2 column blocks
-    ("residual", 9, 64, 512, ONE_WARPGROUP, 2, None),  # K summed in 2 fixed chunks
-    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1, None),  # 3 token blocks of two warpgroups
-    ("gate_up_silu", 33, 64, 256, ONE_WARPGROUP, 1, None),  # gate and up boxes, 32 columns a block
+PRODUCT = "product"  # lane_lag of a case run by the product's kernel: thread 0 at lag 0
+CASES = [  # (epilogue, m, n, k, tiles, K chunks, lane_lag: None for dev's producer warp)
+    ("plain", 70, 64, 256, ONE_WARPGROUP, 1, PRODUCT),  # 2 token blocks, the second mostly past m; the ring wraps
+    ("residual", 1, 64, 384, ONE_WARPGROUP, 1, PRODUCT),  # one token, 3 scale groups
+    ("bias", 7, 128, 256, ONE_WARPGROUP, 1, PRODUCT),  # 2 column blocks
+    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1, PRODUCT),  # 3 token blocks of two warpgroups
+    ("gate_up_silu", 33, 64, 256, ONE_WARPGROUP, 1, PRODUCT),  # gate and up boxes, 32 columns a block
+    ("gate_up_silu", 20, 128, 256, TWO_WARPGROUPS, 1, PRODUCT),
+    ("residual", 9, 64, 512, ONE_WARPGROUP, 2, None),  # dev: the producer warp, K summed in 2 fixed chunks
     ("gate_up_silu", 20, 128, 256, TWO_WARPGROUPS, 1, None),
-    ("bias", 7, 128, 256, ONE_WARPGROUP, 1, 0),  # thread 0 producing, one tile in flight ahead
-    ("residual", 9, 64, 512, FOUR_STAGES, 2, 1),
-    ("plain", 150, 128, 256, TWO_WARPGROUPS, 1, 0),
+    ("residual", 9, 64, 512, FOUR_STAGES, 2, 1),  # dev: thread 0 one tile further ahead
     ("gate_up_silu", 33, 64, 256, FOUR_STAGES, 1, 1),
 ]
 IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-s{t.stages}-c{c}-{'warp' if lag is None else f'lag{lag}'}"
        for e, m, n, k, t, c, lag in CASES]
 
 
+def product_launch(epilogue, n, k, tiles, chunks, weights, x_device, out_device, m, bias):
+    """gemm_int4's factories on these tiles: the cp.async kernel on a WgmmaTile, TMA on a TmaTile."""
+    if epilogue == "gate_up_silu":
+        make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=tiles).launch(0, x_device, out_device, m)
+    else:
+        make_gemm_int4(n, k, *weights[0], bias=bias, tiles=tiles, chunks=chunks).launch(
+            0, x_device, out_device, m, residual=epilogue == "residual")
+
+
 def launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias=None):
-    """(this kernel's output, the product's) from the same operands, rows up to m."""
+    """(the TMA kernel's output, the cp.async kernel's) from the same operands, rows up to m."""
     results = []
-    for which in ("tma", "product"):
+    for which in ("tma", "cp.async"):
         out_device = cuda.to_device(out)
         x_device = cuda.to_device(x)
-        if which == "tma":
+        if which == "tma" and lane_lag == PRODUCT:
+            product_launch(epilogue, n, k, TmaTile(tiles.warpgroups, tiles.tokens, tiles.stages), chunks, weights,
+                           x_device, out_device, m, bias)
+        elif which == "tma":
             on_device = [tuple(cuda.to_device(a) for a in w) for w in weights]
             TmaGemm(n, k, on_device, epilogue, tiles, chunks, None if bias is None else cuda.to_device(bias),
                     lane_lag).launch(0, x_device, out_device, m)
-        elif epilogue == "gate_up_silu":
-            make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=tiles).launch(0, x_device, out_device, m)
         else:
-            make_gemm_int4(n, k, *weights[0], bias=bias, tiles=tiles, chunks=chunks).launch(
-                0, x_device, out_device, m, residual=epilogue == "residual")
+            product_launch(epilogue, n, k, tiles, chunks, weights, x_device, out_device, m, bias)
         result = out_device.copy_to_host()
         assert np.array_equal(result[m:], out[m:], equal_nan=True), f"{which}: rows past m were written"
         results.append(result[:m])
@@ -104,34 +115,3 @@ def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks, lane
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
     tma, product = launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias)
     assert np.array_equal(tma, product, equal_nan=True)
-
-
-@pytest.mark.parametrize("epilogue", ["residual", "gate_up_silu"])
-def test_prefill_tma_linear_wraps_the_engines_gemm(epilogue):
-    """dev/prefill_tma.py's TmaLinear, over the engine's own GEMM object (its flat weights and scale
-    bits), gives that object's bits on the same tile at and above its row threshold, and below it
-    is that object."""
-    from prefill_tma import TmaLinear
-
-    rng = np.random.default_rng()
-    n, k, threshold = 64, 256, 8
-    weights = [(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32),
-                rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16))
-               for _ in range(2 if epilogue == "gate_up_silu" else 1)]
-    if epilogue == "gate_up_silu":
-        product = make_gate_up_silu_gemm(n, k, *weights[0], *weights[1], tiles=ONE_WARPGROUP)
-    else:
-        product = make_gemm_int4(n, k, *weights[0], tiles=ONE_WARPGROUP)
-    wrapped = TmaLinear(product, n, k, epilogue, threshold, tiles=ONE_WARPGROUP)
-    for m in (threshold - 1, threshold + 9):
-        x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
-        start = rng.standard_normal((m, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
-        outs = []
-        for linear in (product, wrapped):
-            out = cuda.to_device(start)
-            if epilogue == "residual":
-                linear.launch(0, x, out, m, residual=True)
-            else:
-                linear.launch(0, x, out, m)
-            outs.append(out.copy_to_host())
-        assert np.array_equal(outs[0], outs[1], equal_nan=True), m

@@ -1,0 +1,247 @@
+"""INT4 GEMM for long prompts on wgmma, fed by the Tensor Memory Accelerator: out[M, N] = X W^T plus
+gemm_int4's epilogues, with one thread doing all the copying.
+
+The same function, operands, fragments and order of sums as gemm_int4_wgmma.py (read it first);
+only the feed differs. There, every thread issues 16-byte cp.async copies of X and W for each k
+tile, and a block barrier a k tile publishes them: after copy_plan ~60% of the tensor cores' rate,
+bound by instruction issue with two warps a scheduler (Nsight Compute, docs/PERFORMANCE.md,
+"Prefill, 2026-12-03"). Here:
+
+- thread 0 issues, for each k tile, two or three `cp.async.bulk.tensor.2d` boxes (ptx/tensor_copy.py):
+  X's 64 k x TOKENS tokens of FP16, which the tensor map's 128-byte swizzle writes in the layout
+  the wgmma descriptor reads, and W's 8 packed words x COLS weight rows (for gate/up a box of the
+  gate rows and one of the same rows of up). Rows past M arrive as zeros, as the cp.async kernel's
+  zero-filling copies give them;
+- the stage's `full` mbarrier (one arrival, thread 0's expect_tx, plus the boxes' bytes) tells
+  every thread that the tile has landed, in both proxies: the ld.shared of W and the wgmma's reads
+  of X need no fence;
+- each thread arrives on the stage's `empty` mbarrier once wgmma_wait_group(1) in the next k tile
+  has seen the tile's wgmmas done (its W words were in registers before they were issued);
+- thread 0 fills between its own k tiles: at tile kt it refills the stage of tile kt - 2 with tile
+  kt + STAGES - 2, waiting for every thread's release of that stage. The other warps can trail it
+  by a tile before it waits for them. A producer warp of its own instead made the block 9 warps,
+  three on one scheduler, and ptxas then has 168 registers a thread: the 256-token tile spilled and
+  its launch failed (dev/gemm_wgmma_tma.py keeps that form and the others measured).
+
+No block barrier in the k loop, and no address arithmetic for copies in 255 of the 256 threads.
+Each k tile a lane does what the cp.async kernel's does, in the same order: unpack its two rows'
+pairs (unpack_fragments, the gate/up rows COLS rows apart in the stage), fence, the tile's wgmmas
+as one group, wait for the previous group; the same epilogue (tile_epilogue). So an output has the
+cp.async kernel's bits on any tile that sums K in one chunk: the engine's prefix cache needs a
+row's bits to be the same at every M (gemm_int4_tiles.rows_sum_alike), and this kernel serves
+only tiles of one chunk (TmaTile.chunked is False).
+
+Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),
+because a map holds the address and the row count: `TensorMaps` keeps them. Making one copies 128
+bytes to the device synchronously, which a stream being captured forbids, so the first launch of a
+(buffer, M) must be eager; the engine runs each prefill bucket's launches once before capturing
+them (engine/capture.py), and bench's timings warm up before capture (gpu_timing.time_graph).
+
+Launch shape: grid (ceil(M / TOKENS), N / COLS), 128 x WARPGROUPS threads, STAGES x the stage
+(TOKENS x 128 bytes of X, then the W rows' 32 bytes each) + 1 KiB of alignment slack of dynamic
+shared memory, and 2 x STAGES mbarriers.
+
+Should reach: at a 128 x 256 tile the tensor pipe's rate less the unpack's issue, ~75% of the
+tensor cores' peak (the issue count: 311 PTX instructions for two k tiles of gate_up at 128
+tokens against 347 with cp.async). Reached on an H100 (dev/gemm_wgmma_tma.py, bench's GEMM
+table): 612 TFLOP/s at gate_up with 2048 tokens (909 us against the cp.async tile's 1096), TTFT
+-5% at 512 and -7% at 2048 and 4096 tokens; docs/PERFORMANCE.md has the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from numba import cuda, float32, types, uint32, uint64
+
+from ..config import GROUP_SIZE
+from ..ptx import SIMULATOR
+from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
+    mbarrier_wait
+from ..ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d, tensor_map
+from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_wait_group
+from .gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, tile_epilogue, \
+    tile_multiply
+from .int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, SELECT_BYTES_0_1, \
+    SELECT_BYTES_2_3
+
+U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_int4.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaTile(WgmmaTile):
+    """A wgmma tile (64 WARPGROUPS weight rows x TOKENS tokens, STAGES k tiles) computed by this
+    module's kernel, which sums K in one chunk."""
+
+    chunked = False
+
+
+TMA_T256 = TmaTile(2, 256)  # 128 weight rows x 256 tokens: the one the product uses (gemm_int4_tiles)
+
+
+@functools.cache
+def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
+    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out): out[:m] (+)= X W^T with gemm_int4's
+    epilogues, X and W (and up's W1) through their tensor maps (TensorMaps), s* the scale bits."""
+    matrices = 2 if epilogue == "gate_up_silu" else 1
+    tiles.check(matrices)
+    TOKENS, ROWS, STAGES, THREADS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads
+    COLS = ROWS // matrices  # output columns per block
+    if n % COLS or k % GROUP_SIZE:
+        raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
+    AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
+    WIDTH = min(TOKENS, SHAPES_N[-1])  # wgmma n: a 256-token tile issues two n128 wgmmas
+    ACCUMULATORS = WIDTH // 2
+    X_STAGE_WORDS = TOKENS * X_ROW_WORDS
+    STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
+    STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
+    GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
+    GATE_UP = matrices == 2
+    multiply, store = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue)
+
+    @cuda.jit(device=True, inline="always")
+    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
+        """k tile kt's boxes into stage kt % STAGES, once every thread has released its last fill."""
+        stage = kt % U(STAGES)
+        # Fill kt // STAGES of this stage needs the release of the fill before; in the first round
+        # parity 1 names the phase before phase 0, which counts as complete.
+        mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
+        mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
+        word = ring + stage * U(STAGE_WORDS)
+        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
+        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
+        if GATE_UP:  # the up rows after the gate rows
+            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
+                           stage)
+
+    @cuda.jit(device=True, inline="always")
+    def step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt: (thread 0: refill the stage two tiles back with tile kt + AHEAD) wait for its
+        boxes, unpack, issue its wgmmas, and release the stage of kt - 1, whose wgmmas
+        wait_group(1) has just seen done."""
+        if cuda.threadIdx.x == 0 and kt + U(AHEAD) < U(K_TILES):
+            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), m0, n0)
+        stage = kt % U(STAGES)
+        mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
+        word = ring + stage * U(STAGE_WORDS)
+        multiply(tile, word, word + word_a, word + word_b, unpack, scale_a, scale_b, a, acc, acc_high)
+        if kt > U(0):
+            mbarrier_arrive(empty, (kt - U(1)) % U(STAGES))
+
+    @cuda.jit(device=True, inline="always")
+    def half2_scale(s0, s1, feature, up, group):
+        bits = U(s1[feature * U(GROUPS) + group]) if up else U(s0[feature * U(GROUPS) + group])
+        return bits | (bits << U(16))
+
+    # .maxntid: ptxas may then give each of the 256 threads up to 255 registers (the 256-token tile
+    # takes ~200). The simulator takes no launch bounds.
+    @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
+    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out):
+        tile = cuda.shared.array(0, uint32)
+        full = cuda.shared.array(STAGES, uint64)
+        empty = cuda.shared.array(STAGES, uint64)
+        tid = U(cuda.threadIdx.x)
+        m = U(m)
+        m0 = U(cuda.blockIdx.x) * U(TOKENS)
+        n0 = U(cuda.blockIdx.y) * U(COLS)
+        base = shared_byte_address(tile, U(0))
+        ring = ((U(SWIZZLE_ATOM_BYTES) - base % U(SWIZZLE_ATOM_BYTES)) % U(SWIZZLE_ATOM_BYTES)) // U(4)
+        if tid == U(0):
+            for s in range(STAGES):
+                mbarrier_init(full, s, 1)  # thread 0's arrive.expect_tx; the boxes add their bytes
+                mbarrier_init(empty, s, THREADS)  # every thread, after its wgmma wait
+            fence_barrier_init()
+            acquire_tensor_map(x_map)
+            acquire_tensor_map(w_map0)
+            if GATE_UP:
+                acquire_tensor_map(w_map1)
+        cuda.syncthreads()
+        if tid == U(0):
+            for kt in range(min(AHEAD, K_TILES)):
+                fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
+        maps = (x_map, w_map0, w_map1)
+
+        a_even = cuda.local.array(16, uint32)  # A fragments of even / odd k tiles: the previous
+        a_odd = cuda.local.array(16, uint32)  # tile's wgmma still reads its registers
+        acc = cuda.local.array(ACCUMULATORS, float32)
+        acc_high = cuda.local.array(ACCUMULATORS, float32)  # tokens 128..255 of a 256-token tile
+        lane, warp = tid % U(32), tid // U(32)
+        g, t = lane // U(4), lane % U(4)
+        if GATE_UP:  # warp w: gate columns 8w..8w+7 (fragment rows g), their up rows (g + 8)
+            col_a = col_b = warp * U(8) + g
+            row_b = U(COLS) + col_a
+        else:
+            col_a = warp * U(16) + g
+            col_b = row_b = col_a + U(8)
+        word_a = U(X_STAGE_WORDS) + col_a * U(W_ROW_WORDS)
+        word_b = U(X_STAGE_WORDS) + row_b * U(W_ROW_WORDS)
+        # PAIR_CONSTANTS[t] of int4_unpack, chosen by selects (a runtime tuple index would live in local memory)
+        unpack = (SELECT_BYTES_0_1 if t < U(2) else SELECT_BYTES_2_3,
+                  LOW_NIBBLES if t % U(2) == U(0) else HIGH_NIBBLES,
+                  ONE if t % U(2) == U(0) else ONE_SIXTEENTH,
+                  MINUS_1032 if t % U(2) == U(0) else MINUS_72)
+        for c in range(ACCUMULATORS):
+            acc[c] = float32(0)
+            acc_high[c] = float32(0)
+        next_a = half2_scale(s0, s1, n0 + col_a, False, U(0))
+        next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, U(0))
+        for g_index in range(GROUPS):
+            group = U(g_index)
+            scale_a, scale_b = next_a, next_b
+            if group + U(1) < U(GROUPS):  # fetched a group ahead: the loads' latency hides behind it
+                next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
+                next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, group + U(1))
+            kt = group * U(TILES_PER_GROUP)
+            step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_even, acc,
+                 acc_high)
+            step(maps, tile, ring, full, empty, kt + U(1), m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_odd,
+                 acc, acc_high)
+        wgmma_wait_group(0)
+        store(out, bias_values, acc, acc_high, m, m0, n0, col_a, col_b, t)
+
+    return tma_gemm
+
+
+class TensorMaps:
+    """The tensor maps of one GEMM object's launches on a TmaTile: its weights' (W and, for gate/up,
+    W1: boxes of W_ROW_WORDS words x COLS rows), made here, and X's, made at the first launch of
+    each (buffer, M) and kept. The maps hold addresses: the GEMM object keeps its weights alive, and
+    the caller each x it launches with (the engine's prefill buffers live as long as the engine)."""
+
+    def __init__(self, n: int, k: int, tiles: TmaTile, weights: list):
+        cols = tiles.block_n // len(weights)
+        self.weights = [tensor_map(q.reshape(n, k // 8), W_ROW_WORDS, cols, False) for q in weights]
+        self.tokens = tiles.tokens
+        self.x_maps: dict = {}
+
+    def x(self, x, m: int):
+        """X's map for rows [0, m) of the float16 [rows, K] buffer x: swizzled 64 k x TOKENS boxes."""
+        key = (id(x) if SIMULATOR else x.device_ctypes_pointer.value, m)
+        if key not in self.x_maps:
+            self.x_maps[key] = tensor_map(x, K_TILE, self.tokens, True, rows=m)
+        return self.x_maps[key]
+
+
+def tma_signature(out=types.float32):
+    """The Numba signature of tma_gemm_kernel's kernels, output float32 or float16."""
+    maps, bits = types.uint64[::1], types.uint16[::1]
+    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1])
+
+
+def compile_targets() -> list:
+    """The 7B linears on the tile prefill gives this kernel (gemm_int4_tiles.TMA_T256)."""
+    from . import CompileTarget
+
+    feed = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+            "fence.proxy.tensormap::generic.acquire.gpu", "mbarrier.try_wait.parity.shared::cta.b64",
+            "mbarrier.arrive.shared::cta.b64", "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "prmt.b32")
+    targets = []
+    for name, n, k, epilogue, out in (("qkv", 4608, 3584, "bias", types.float32),
+                                      ("o_proj", 3584, 3584, "residual", types.float32),
+                                      ("gate_up", 18944, 3584, "gate_up_silu", types.float16)):
+        targets.append(CompileTarget(f"gemm_int4_tma_{epilogue}_128x256[{name} {n}x{k}]",
+                                     tma_gemm_kernel(n, k, TMA_T256, epilogue), tma_signature(out), feed,
+                                     cc=(9, 0, "a")))
+    return targets
