@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pynanoqwen.bench import random_int4  # noqa: F401 (the dev scripts take it from here)
+from pynanoqwen.bench_kernels import random_int4  # noqa: F401 (the dev scripts take it from here)
 from pynanoqwen.config import PRESETS
 from pynanoqwen.gpu_timing import time_graph, weight_copies
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4

@@ -27,7 +27,7 @@ from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pynanoqwen.bench import random_int4  # noqa: E402
+from pynanoqwen.bench_kernels import random_int4  # noqa: E402
 from pynanoqwen.config import preset  # noqa: E402
 from pynanoqwen.engine.memory import PREFILL_BUCKETS  # noqa: E402
 from pynanoqwen.kernels.attention_decode import PAGE_SIZE, make_decode_attention  # noqa: E402

@@ -82,6 +82,9 @@ class GpuEngine(Backend, Protocol):
     def kernel_groups(self, context: int, method: str) -> list[tuple[str, Callable[[], None], int, int]]:
         """A decode step's launches by stage: (name, enqueue, launches, bytes) each."""
 
+    def prefill_kernel_groups(self, rows: int, method: str) -> list[tuple[str, Callable[[], None], int, int]]:
+        """A prefill chunk's launches by stage, as kernel_groups."""
+
     def bytes_per_step(self, context: int) -> int: ...
 
     def device_memory_used(self) -> int: ...

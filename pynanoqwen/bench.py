@@ -13,21 +13,17 @@ greedily, `repeats` timed runs after one warm-up. What each figure means:
 - GB/s: bytes one decode step must read (every INT4 weight and scale, norms, the lm_head, one
   embedding row, and the KV cache at the mean context of the run) over the median ITL, and its
   share of a device-to-device copy measured in the same run (bytes read + written).
-- The kernel breakdown replays each kernel type, with all its launches of one step, inside its own
-  CUDA graph between events; `share` is its time over the sum of all types.
-- The GEMV table times both INT4 paths at every linear shape of the model, rotating weight copies
-  larger than the L2 so that every call reads HBM.
 - Prefill sweep: TTFT of prompts of 16, 128, 512, 2048, 8192 and 32000 tokens (the longer ones run
   in chunks of 2048; 16 is the largest chunk on the SMALL mma.sync tiles, and about the rows of a
   prompt-lookup verify pass), as prompt tokens per second and as TFLOP/s (`prefill_flops`: the
   linears at every row, causal attention, the lm_head for the last row) against the ~790 TFLOP/s
-  the H200 reaches in dense bf16 (PEAK_TFLOPS).
+  the H200 reaches in dense bf16 (bench_kernels.PEAK_TFLOPS).
 - Prefix cache: TTFT of a 4006-token prompt whose first 3990 tokens an earlier request left in the
   prefix cache (an editor's /infill after one edited line), as serve's engine runs it but without
   HTTP, next to a prompt of only the tokens it computed (`prefix_cache_ttft`).
-- GEMM table: the tensor-core INT4 GEMM of each linear at M = 512 and 2048 with every tile shape
-  (kernels/gemm_int4.py), TFLOP/s, rotating weight copies as the GEMV table does; `default`
-  marks the tile the engine uses.
+- Per-kernel tables: the decode step's and a prefill chunk's kernel breakdowns and the GEMV, GEMM
+  and prefill-attention tables are timed in bench_kernels.py, whose docstring says what each figure
+  means (the tables and PEAK_TFLOPS moved there from this module).
 
 Nothing here changes clocks or needs root; GPU name, driver and clocks come from nvidia-smi.
 """
@@ -44,11 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from . import bench_report, device
+from .bench_kernels import PEAK_TFLOPS, PREFILL_KERNEL_ROWS, gemm_tiles, gemv_paths, kernel_breakdown, \
+    kernel_summary, prefill_attention_table, prefill_kernel_breakdown
 from .checkpoint import QWEN_SAMPLING
 from .config import ModelConfig, preset
 from .errors import NanoQwenError
 from .fileformat import NanoQwenFile
-from .kernels import GEMV_PATHS, PAGE_SIZE
+from .kernels import GEMV_PATHS
 from .sampling import SamplingParams
 
 
@@ -234,6 +232,16 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
     if settings.prefill_lengths:
         progress(f"prefill sweep: {', '.join(map(str, settings.prefill_lengths))} tokens")
         result["prefill"] = prefill_sweep(backend, settings.prefill_lengths, settings.repeats, rng)
+        chunks = [rows for rows in PREFILL_KERNEL_ROWS if rows in backend.prefill_buckets]
+        if chunks:
+            progress(f"per-kernel breakdown of one prefill chunk of {' and '.join(map(str, chunks))} rows")
+            try:  # new on 2026-12-06 and not yet run on a GPU: a failure costs this table, not the run
+                result["prefill_kernels"] = [{"rows": rows, "kernels": prefill_kernel_breakdown(backend, rows)}
+                                             for rows in chunks]
+            except Exception as failure:
+                result["prefill_kernels_error"] = f"{type(failure).__name__}: {failure}"
+                progress(f"prefill breakdown failed: {result['prefill_kernels_error']}")
+                backend.reset([0], SamplingParams())
         if backend.max_context > PREFIX_CONTEXT:
             progress(f"prefix cache: {PREFIX_CONTEXT} prompt tokens, the last {PREFIX_CHANGED} new")
             result["prefix_cache"] = prefix_cache_ttft(backend, cfg.vocab_size, settings.repeats, rng)
@@ -293,24 +301,12 @@ def context_sweep(backend, settings: BenchSettings, rng, copy_gbs: float) -> lis
     return rows
 
 
-def kernel_summary(kernels: list[dict], itl_ms: float, cfg: ModelConfig) -> dict:
-    """Launches of one decode step (page_alloc runs once every PAGE_SIZE steps and is counted as
-    its share) and the bubble: the graph ITL minus the sum of the kernel groups' own times, each
-    group timed back to back in its own graph (time the step's kernels do not account for)."""
-    kernel_us = sum(k["us"] for k in kernels)
-    return {"launches_per_step": sum(k["launches"] for k in kernels) + 1 / PAGE_SIZE,
-            "kernel_us": kernel_us, "itl_us": 1e3 * itl_ms, "bubble_us": 1e3 * itl_ms - kernel_us}
-
-
 def step_bytes_bf16(cfg: ModelConfig, context: int) -> int:
     """What the bf16 baseline reads per step: every weight at 2 bytes (the embedding table once
     a row) plus the KV cache."""
     h = cfg.hidden_size
     per_layer = sum(n * k for n, k in cfg.linear_shapes.values()) + 2 * h + cfg.q_size + 2 * cfg.kv_size
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * h + 2 * h) + 2 * cfg.num_layers * context * cfg.kv_size * 2
-
-
-PEAK_TFLOPS = 790.0  # dense bf16 matrix product through PyTorch on the H200 (docs/HARDWARE.md)
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -374,127 +370,3 @@ def prefix_cache_ttft(backend, vocab_size: int, repeats: int, rng, context: int 
             cold.append(cold_ms)
     return {"prompt_tokens": context, "computed_tokens": computed, "ttft_ms": bench_report.summarize(warm),
             "cold_ttft_ms": bench_report.summarize(cold)}
-
-
-def prefill_attention_table(cfg: ModelConfig, lengths, chunk_rows: int, launches: int = 2) -> list[dict]:
-    """Causal prefill attention of one layer for a prompt of each length, run as the engine runs it:
-    one kernel with M_cap = chunk_rows over the chunks of engine.backend.prompt_chunks, on a paged
-    K/V pool of random FP16 (speed does not depend on values) behind a shuffled page table. Each
-    chunk is timed in a CUDA graph of `launches` launches; a prompt's figure is the sum over its
-    chunks: us a layer, TFLOP/s of the causal work (kernels.attention_prefill.attention_flops)."""
-    from numba import cuda
-
-    from .engine.backend import prompt_chunks
-    from .gpu_timing import time_graph
-    from .kernels.attention_prefill import attention_flops, make_prefill_attention
-
-    rng = np.random.default_rng(0)
-    stream = cuda.stream()
-    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pages = -(-max(lengths) // PAGE_SIZE)
-    attention = make_prefill_attention(heads, kv_heads, hd, pages)
-    pool = [cuda.to_device(rng.standard_normal((pages, kv_heads, PAGE_SIZE, hd)).astype(np.float16))
-            for _ in range(2)]
-    table = cuda.to_device(rng.permutation(pages).astype(np.int32))
-    q = cuda.to_device(rng.standard_normal((chunk_rows, heads, hd)).astype(np.float32))
-    out = cuda.device_array((chunk_rows, heads * hd), np.float16)
-    timed = {}
-    rows = []
-    for tokens in lengths:
-        chunks = prompt_chunks(tokens, chunk_rows)
-        for start, m in chunks:
-            if (start, m) not in timed:
-                bounds = [cuda.to_device(np.array([v], np.int32)) for v in (start, m)]
-                enqueue = lambda b=bounds: [attention.launch(stream, q, *pool, table, *b, out)  # noqa: E731
-                                            for _ in range(launches)]
-                timed[start, m] = time_graph(stream, enqueue, replays=3) / launches
-        seconds = sum(timed[c] for c in chunks)
-        flops = sum(attention_flops(start, m, heads, hd) for start, m in chunks)
-        rows.append({"tokens": tokens, "chunks": len(chunks), "us_per_layer": seconds * 1e6,
-                     "ms_all_layers": seconds * 1e3 * cfg.num_layers, "tflops": flops / seconds / 1e12,
-                     "peak_tflops": PEAK_TFLOPS})
-    return rows
-
-
-def random_int4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random packed words and FP16 scales of an N x K linear (speed does not depend on values)."""
-    return (rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32),
-            rng.uniform(0.005, 0.02, (n, k // 128)).astype(np.float16))
-
-
-def gemm_tiles(cfg: ModelConfig, ms: tuple[int, ...] = (512, 2048), tiles_to_try=None) -> list[dict]:
-    """TFLOP/s of the INT4 GEMM of each linear of `cfg` at each M in `ms` with each tile shape it
-    can take (gemm_int4.candidate_tiles, or those of `tiles_to_try` that fit), in CUDA graphs;
-    enough weight copies are rotated that each call reads its weights from HBM, as a prefill does
-    layer after layer. `default` marks the tile the engine picks (gemm_int4.default_tiles_for)."""
-    from numba import cuda
-
-    from .gpu_timing import time_graph, weight_copies
-    from .kernels.gemm_int4 import gemm_flops, make_gate_up_silu_gemm, make_gemm_int4
-    from .kernels.gemm_int4_tiles import TILE_NAMES, candidate_tiles, default_tiles_for, matrices_of
-
-    rng = np.random.default_rng(0)
-    stream = cuda.stream()
-    rows = []
-    for name, n, k, epilogue in cfg.engine_linears:
-        matrices = matrices_of(epilogue)
-        copies = weight_copies(matrices * (n * k // 2 + n * k // 64))
-        weights = [[tuple(cuda.to_device(a) for a in random_int4(rng, n, k)) for _ in range(matrices)]
-                   for _ in range(copies)]
-        bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
-        extra = {"residual": True} if epilogue == "residual" else {}
-        for tiles in candidate_tiles(n, k, epilogue, tiles_to_try):
-            gemms = [make_gate_up_silu_gemm(n, k, *w[0], *w[1], tiles=tiles) if matrices == 2
-                     else make_gemm_int4(n, k, *w[0], bias=bias, tiles=tiles) for w in weights]
-            for m in ms:
-                x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16), stream=stream)
-                out = cuda.to_device(np.zeros((m, n), np.float16 if matrices == 2 else np.float32), stream=stream)
-                calls = max(copies, 8)
-                seconds = time_graph(stream, lambda: [gemms[c % copies].launch(stream, x, out, m, **extra)
-                                                      for c in range(calls)], replays=5) / calls
-                rows.append({"name": name, "n": n, "k": k, "m": m, "tile": TILE_NAMES.get(tiles, str(tiles)),
-                             "default": tiles == default_tiles_for(m, n, k, epilogue), "us": seconds * 1e6,
-                             "tflops": gemm_flops(m, n, k, matrices) / seconds / 1e12, "peak_tflops": PEAK_TFLOPS})
-    return sorted(rows, key=lambda r: r["m"])
-
-
-def kernel_breakdown(backend, context: int) -> list[dict]:
-    from .gpu_timing import time_graph
-
-    rows = []
-    for name, enqueue, launches, nbytes in backend.kernel_groups(context):
-        seconds = time_graph(backend.stream, enqueue)
-        rows.append({"name": name, "launches": launches, "us": seconds * 1e6, "bytes": nbytes,
-                     "gbs": nbytes / seconds / 1e9 if nbytes else None})
-        backend.reset([0], SamplingParams())
-    total = sum(r["us"] for r in rows)
-    for r in rows:
-        r["share"] = r["us"] / total
-    return rows
-
-
-def gemv_paths(cfg: ModelConfig) -> list[dict]:
-    """Every GEMV path at each linear shape of `cfg` (random weights: speed does not depend on values)."""
-    from .gpu_timing import time_gemv
-    from .kernels.gemm_int4_tiles import matrices_of
-    from .kernels.gemv_int4 import PATHS, gemv_bytes, make_gate_up_silu, make_gemv_int4
-
-    rng = np.random.default_rng(0)
-    rows = []
-    for name, n, k, epilogue in cfg.engine_linears + [("lm_head", cfg.vocab_size, cfg.hidden_size, "plain")]:
-        matrices = matrices_of(epilogue)
-        weights = [random_int4(rng, n, k) for _ in range(matrices)]
-        nbytes = matrices * gemv_bytes(n, k)
-        row = {"name": name, "n": n, "k": k}
-        for path in PATHS:
-            if matrices == 2:
-                (gq, gs), (uq, us) = weights
-                build = lambda p=path: make_gate_up_silu(n, k, gq, gs, uq, us, path=p)  # noqa: E731
-                out_dtype = np.float16
-            else:
-                build = lambda p=path: make_gemv_int4(n, k, *weights[0], path=p)  # noqa: E731
-                out_dtype = np.float32
-            seconds = time_gemv(build, nbytes, out_dtype)
-            row[f"{path}_us"], row[f"{path}_gbs"] = seconds * 1e6, nbytes / seconds / 1e9
-        rows.append(row)
-    return rows

@@ -1,7 +1,8 @@
 """Benchmark results: statistics, the markdown table printed on stdout, and the JSON result file.
 
-Pure CPU code, so CI tests it; the GPU measurements that fill a result live in bench.py. A result is
-a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meaning):
+Pure CPU code, so CI tests it; the GPU measurements that fill a result live in bench.py and
+bench_kernels.py. A result is a plain JSON-able dict (schema below, `SCHEMA` bumps when a field
+changes meaning):
 
     settings   what was run (model, prompt/gen tokens, repeats, gemv path, git commit, date)
     gpu        name, driver, SM / memory clocks at start and end, measured copy bandwidth (GB/s)
@@ -16,6 +17,8 @@ a plain JSON-able dict (schema below, `SCHEMA` bumps when a field changes meanin
     prefill    TTFT per prompt length: tokens, ttft_ms {median, p10, p90}, tok_s, tflops, peak_tflops
     gemm       INT4 GEMM per linear shape, M (512, 2048) and tile: name, n, k, m, tile, default, us, tflops,
                peak_tflops
+    prefill_kernels  per-stage breakdown of one prefill chunk (absent before 2026-12-06): a list of
+               {rows, kernels}, kernels as in `kernels`; prefill_kernels_error instead, if it failed
     prefill_attention  one layer's causal prefill attention per prompt length, in the engine's chunks:
                tokens, chunks, us_per_layer, ms_all_layers, tflops, peak_tflops
     prefix_cache  a prompt most of which the prefix cache holds (bench.prefix_cache_ttft; run when the
@@ -160,6 +163,18 @@ def render_markdown(result: dict) -> str:
             t = r["ttft_ms"]
             lines.append(f"| {r['tokens']} | {t['median']:.1f} ({t['p10']:.1f}-{t['p90']:.1f}) | {r['tok_s']:.0f} | "
                          f"{r['tflops']:.0f} | {100 * r['tflops'] / r['peak_tflops']:.0f}% |")
+    ttft_of = {r["tokens"]: r["ttft_ms"]["median"] for r in result.get("prefill") or []}
+    for chunk in result.get("prefill_kernels") or []:
+        rows = chunk["rows"]
+        lines += ["", f"| kernel (one prefill chunk of {rows} rows) | launches | us total | share of chunk |",
+                  "| --- | ---: | ---: | ---: |"]
+        for k in chunk["kernels"]:
+            lines.append(f"| {k['name']} | {k['launches']} | {k['us']:.1f} | {100 * k['share']:.1f}% |")
+        total = sum(k["us"] for k in chunk["kernels"])
+        ttft = ttft_of.get(rows)
+        lines.append(f"\nThe stages sum to {total / 1e3:.2f} ms" + (
+            f" of the {ttft:.2f} ms TTFT of a {rows}-token prompt (the rest: between the kernels, the first "
+            "token's way to the host)." if ttft is not None else "."))
     if result.get("gemm"):
         lines += ["", "| INT4 GEMM (N x K) | M | tile | us | TFLOP/s | share of peak |",
                   "| --- | ---: | --- | ---: | ---: | ---: |"]

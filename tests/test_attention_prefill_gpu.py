@@ -106,10 +106,10 @@ def test_prefill_attention_7b_speed_in_graph(attention):
 
 
 def test_bench_prefill_attention_table_sums_the_engines_chunks():
-    """bench.prefill_attention_table at 7B: a prompt of 2100 tokens is the engine's two chunks
-    (2048, then 52 rows), its time is more than the 512-token prompt's, and no figure beats the
-    tensor cores."""
-    from pynanoqwen.bench import PEAK_TFLOPS, prefill_attention_table
+    """bench_kernels.prefill_attention_table at 7B: a prompt of 2100 tokens is the engine's two
+    chunks (2048, then 52 rows), its time is more than the 512-token prompt's, and no figure beats
+    the tensor cores."""
+    from pynanoqwen.bench_kernels import PEAK_TFLOPS, prefill_attention_table
     from pynanoqwen.config import PRESETS
 
     short, long = prefill_attention_table(PRESETS["7b"], (512, 2100), M_CAP)

@@ -39,6 +39,9 @@ def fake_result(rng):
                      "tflops": 221.0, "peak_tflops": 790.0}],
         "gemm": [{"name": "gate_up", "n": 18944, "k": 3584, "m": 512, "tile": "large", "default": True,
                   "us": 516.0, "tflops": 269.4, "peak_tflops": 790.0}],
+        "prefill_kernels": [{"rows": 512, "kernels": [
+            {"name": "qkv gemm", "launches": 28, "us": 1215.2, "bytes": 2.6e8, "gbs": 214.0, "share": 0.25},
+            {"name": "gate_up gemm", "launches": 28, "us": 3645.6, "bytes": 1.1e9, "gbs": 301.7, "share": 0.75}]}],
         "prefill_attention": [{"tokens": 8192, "chunks": 4, "us_per_layer": 3210.0, "ms_all_layers": 89.9,
                                "tflops": 150.4, "peak_tflops": 790.0}],
         "prefix_cache": {"prompt_tokens": 4006, "computed_tokens": 22, "ttft_ms": bench_report.summarize([8.2, 8.3]),
@@ -76,6 +79,9 @@ def test_markdown_report_has_every_section():
     assert "| 512 | 30.5 (30.1-30.9) | 16800 | 221 | 28% |" in text
     assert "| gate_up 18944x3584 | 512 | large (default) | 516.0 | 269 | 34% |" in text
     assert "| 8192 | 4 | 3210.0 | 89.9 | 150 | 19% |" in text
+    assert "| kernel (one prefill chunk of 512 rows) | launches | us total | share of chunk |" in text
+    assert "| gate_up gemm | 28 | 3645.6 | 75.0% |" in text
+    assert "The stages sum to 4.86 ms of the 30.50 ms TTFT of a 512-token prompt" in text
     assert "TTFT 8.25 (8.21-8.29) ms for 4006 prompt tokens, 22 of them computed; 7.45 (7.41-7.49) ms" in text
     ratio = result["baseline"]["itl_ms"]["median"] / graph_itl
     assert f"ITL {ratio:.2f}x" in text
@@ -251,3 +257,34 @@ def test_prefix_cache_ttft_reuses_all_but_the_edited_page_on_the_cpu_reference()
     assert (got["prompt_tokens"], got["computed_tokens"]) == (100, 20)
     assert got["ttft_ms"]["n"] == got["cold_ttft_ms"]["n"] == 2
     assert got["ttft_ms"]["median"] > 0 and got["cold_ttft_ms"]["median"] > 0
+
+
+def test_prefill_kernel_breakdown_times_each_group_and_resets_the_engine_after_it(monkeypatch):
+    """bench_kernels.prefill_kernel_breakdown on a stand-in engine (its GPU test has not run yet):
+    each group of the chunk is replayed in its own graph, its share is of the groups' sum, and the
+    engine is reset after each group (the groups write the KV cache)."""
+    from pynanoqwen import gpu_timing
+    from pynanoqwen.bench_kernels import prefill_kernel_breakdown
+
+    calls = []
+
+    class Engine:
+        stream = "stream"
+
+        def prefill_kernel_groups(self, rows):
+            return [(f"{stage} gemm", lambda stage=stage: calls.append(stage), 28, nbytes)
+                    for stage, nbytes in (("qkv", 2.6e8), ("gate_up", 0))]
+
+        def reset(self, prompt, params):
+            calls.append("reset")
+
+    def time_graph(stream, enqueue):
+        enqueue()
+        return 1e-3 if calls[-1] == "qkv" else 3e-3
+
+    monkeypatch.setattr(gpu_timing, "time_graph", time_graph)
+    rows = prefill_kernel_breakdown(Engine(), 512)
+    assert calls == ["qkv", "reset", "gate_up", "reset"]
+    assert [(r["name"], r["launches"], r["us"], r["share"]) for r in rows] == [
+        ("qkv gemm", 28, 1000.0, 0.25), ("gate_up gemm", 28, 3000.0, 0.75)]
+    assert rows[0]["gbs"] == 260.0 and rows[1]["gbs"] is None

@@ -492,6 +492,26 @@ def test_graph_and_eager_give_identical_tokens(backend_7b):
 
 @pytest.mark.slow
 @gpu
+def test_prefill_kernel_groups_cover_a_chunk_and_leave_generation_alone(backend_7b):
+    """bench's prefill breakdown (engine.probes.prefill_kernel_groups): the stages of a 512-row
+    chunk, every launch of it but the page allocation, in the chunk's order; replayed, then the
+    engine reset, a generation gives the tokens it gave before."""
+    from pynanoqwen.bench_kernels import prefill_kernel_breakdown
+
+    prompt = np.random.default_rng().integers(0, 4000, 300).tolist()
+    before = list(backend_7b.generate(prompt, SamplingParams(), 8, frozenset()))
+    launches = [launch for launch in backend_7b.prefill_launches(512, "argmax") if launch.stage != "page_alloc"]
+    groups = backend_7b.prefill_kernel_groups(512)
+    assert sum(group.launches for group in groups) == len(launches)
+    assert [group.name.split()[0] for group in groups] == list(dict.fromkeys(launch.stage for launch in launches))
+    rows = prefill_kernel_breakdown(backend_7b, 512)
+    print({row["name"]: round(row["us"], 1) for row in rows})
+    assert all(row["us"] > 0 for row in rows)
+    assert list(backend_7b.generate(prompt, SamplingParams(), 8, frozenset())) == before
+
+
+@pytest.mark.slow
+@gpu
 def test_decoding_allocates_no_device_memory(backend_7b):
     result = allocations_during_decode(backend_7b, 128)
     print(result)

@@ -1,8 +1,9 @@
 """INT4 tensor-core GEMM on the GPU: every 7B linear (with the epilogue prefill uses there) at
 M in {1, 7, 64, 512, 2048} against float64 numpy on fresh random weights and activations, and
-every tile shape bench's GEMM table compares at M = 512; the table itself (bench.gemm_tiles) runs
-once at small shapes. And a row's result is the same bits whichever wgmma tile computes it, at
-whatever M: the engine's prefix cache relies on it (docs/DECODE.md, "Prefix cache").
+every tile shape bench's GEMM table compares at M = 512; the table itself
+(bench_kernels.gemm_tiles) runs once at small shapes. And a row's result is the same bits whichever
+wgmma tile computes it, at whatever M: the engine's prefix cache relies on it (docs/DECODE.md,
+"Prefix cache").
 
 Error bound, derived (u16 = 2^-11, u32 = 2^-24; mag = |X| |W|^T, W the exact dequantized weights):
 - the kernel rounds each weight (u - 8) s to FP16 once: u16 mag (scales here are far above the
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.gpu
 
 U16, U32 = 2.0**-11, 2.0**-24
 HIDDEN, INTERMEDIATE, QKV = 3584, 18944, 4608
-PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (bench.PEAK_TFLOPS)
+PEAK = 790e12  # FLOP/s: dense bf16 matrix product through PyTorch on the H200 (bench_kernels.PEAK_TFLOPS)
 SHAPES = [("qkv", QKV, HIDDEN, "bias"), ("o_proj", HIDDEN, HIDDEN, "residual"),
           ("gate_up", INTERMEDIATE, HIDDEN, "gate_up_silu"), ("down_proj", HIDDEN, INTERMEDIATE, "residual")]
 
@@ -156,9 +157,9 @@ def test_a_row_is_the_same_bits_on_every_wgmma_tile_and_m(name, n, k, epilogue):
 
 
 def test_bench_gemm_table_times_every_tile():
-    """bench.gemm_tiles (the TFLOP/s table of `bench`) at 0.5B shapes: every tile that fits each
-    shape is timed once, the engine's default is marked, and no figure beats the tensor cores."""
-    from pynanoqwen.bench import gemm_tiles
+    """bench_kernels.gemm_tiles (the TFLOP/s table of `bench`) at 0.5B shapes: every tile that fits
+    each shape is timed once, the engine's default is marked, and no figure beats the tensor cores."""
+    from pynanoqwen.bench_kernels import gemm_tiles
     from pynanoqwen.config import PRESETS
 
     rows = gemm_tiles(PRESETS["0.5b"], ms=(128,))

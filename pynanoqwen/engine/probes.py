@@ -1,8 +1,9 @@
 """The engine's measurement and validation hooks: what bench, validate and the self-check call.
 
 Each one runs launch lists of the schedule (schedule.py), never a schedule of its own:
-- `kernel_groups`: one decode step's launches grouped by stage, for bench to time each group in
-  its own CUDA graph, with the bytes each must move;
+- `kernel_groups`, `prefill_kernel_groups`: one decode step's launches, or one prefill chunk's,
+  grouped by stage, for bench to time each group in its own CUDA graph, with the bytes each must
+  move;
 - `probed_step`, `probed_prefill`: one decode step, or one prefill chunk, run eagerly, with what
   each launch wrote copied to the host right after it ran (selfcheck.py checks them in float64);
 - `teacher_forced_logits`, `prefill_logits`, `layer_outputs`: logits or one layer's outputs of
@@ -25,7 +26,7 @@ from ..kernels import PAGE_SIZE
 from ..kernels.kv_layout import swizzle_rows
 from ..sampling import SamplingParams
 from .buffers import StepState
-from .schedule import DecodeOps, Launch, forward_launches, layer_launches, run_all
+from .schedule import DecodeOps, Launch, PrefillOps, forward_launches, layer_launches, run_all
 
 KV_POOLS = ("k_pages", "v_pages")  # writes that are a layer's KV pool: a probe gathers its positions
 
@@ -35,6 +36,17 @@ class KernelGroup(NamedTuple):
     enqueue: Callable[[], None]  # makes every launch of this stage one step makes
     launches: int
     bytes: int  # the memory traffic they must cause, reads and writes
+
+
+def groups_by_stage(launches: list[Launch], stream) -> list[KernelGroup]:
+    """The launches grouped by stage, in the order each stage first runs; a group enqueues all of
+    its stage's launches (every layer's) on `stream`."""
+    stages: dict[str, list[Launch]] = {}
+    for launch in launches:
+        stages.setdefault(launch.stage, []).append(launch)
+    return [KernelGroup(f"{group[0].stage} {group[0].kernel}".rstrip(),
+                        lambda group=group: run_all(group, stream), len(group), sum(g.bytes for g in group))
+            for group in stages.values()]
 
 
 class EngineProbes:
@@ -58,12 +70,23 @@ class EngineProbes:
         launches = forward_launches(self._ops(state, context), method, new_page=False)
         sampler_state = dataclasses.replace(state, pos=cuda.to_device(np.zeros(1, np.int32), stream=s))
         launches[-1] = self._ops(sampler_state, context).sampler(method)
-        stages: dict[str, list[Launch]] = {}
-        for launch in launches:
-            stages.setdefault(launch.stage, []).append(launch)
-        return [KernelGroup(f"{group[0].stage} {group[0].kernel}".rstrip(),
-                            lambda group=group: run_all(group, s), len(group), sum(g.bytes for g in group))
-                for group in stages.values()]
+        return groups_by_stage(launches, s)
+
+    def prefill_kernel_groups(self, rows: int, method: str = "argmax") -> list[KernelGroup]:
+        """One prefill chunk's launches, of `rows` prompt tokens from position 0 in their own bucket,
+        grouped by stage as kernel_groups groups a decode step's, for timing each group in its own
+        graph. As there, a private pos, tokens and identity page table, and the chunk's K/V written
+        into the first pages (time groups between generations); left out: the chunk's page_alloc
+        (it would take pages from the free list at every replay)."""
+        if rows not in self.prefill_buckets:
+            raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
+        s = self.stream
+        state = dataclasses.replace(self.state, pos=cuda.to_device(np.zeros(1, np.int32), stream=s),
+                                    tokens=cuda.to_device(np.zeros(self.max_context + 1, np.int32), stream=s),
+                                    page_table=cuda.to_device(np.arange(self.max_pages, dtype=np.int32), stream=s))
+        self.buffers.chunk.copy_to_device(np.array([0, rows], np.int32), stream=s)
+        ops = PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows, state=state)
+        return groups_by_stage([launch for launch in forward_launches(ops, method) if launch.stage != "page_alloc"], s)
 
     def _ops(self, state: StepState, context: int) -> DecodeOps:
         return DecodeOps(self.config, self.weights, self.kernels, self.buffers, state=state,

@@ -213,8 +213,9 @@ class PrefillOps(DecodeOps):
     (final norm, lm_head, sampler) is decode's, inherited: last_row has put the chunk's last row
     into the decode buffers and set pos, so the first token is drawn as after token-by-token prefill."""
 
-    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers, rows: int):
-        super().__init__(cfg, weights, kernels, buffers)
+    def __init__(self, cfg: ModelConfig, weights: DeviceWeights, kernels: Kernels, buffers: Buffers, rows: int,
+                 *, state: StepState | None = None):
+        super().__init__(cfg, weights, kernels, buffers, state=state)
         self.rows, self.b = rows, buffers.prefill[rows]
         self.start, self.m = buffers.chunk[0:1], buffers.chunk[1:2]
 
