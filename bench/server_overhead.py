@@ -1,6 +1,7 @@
 """What the server alone adds to a request, with a backend that costs nothing; no GPU needed.
 
     python bench/server_overhead.py [--requests 150] [--prompt-tokens 512] [--prefill-ms 0 --launch-us 0]
+                                    [--route infill|completions]
 
 The app `serve` runs, on a real uvicorn server in this process (server.run.ServerThread), over a
 backend that yields its tokens at once (letting other threads run after each): every millisecond
@@ -15,9 +16,11 @@ GET /health's round trip; the first event of a short /infill at n_predict 1 and 
 between events; and the first event of a cold /infill at n_predict 1, in its phases. That prompt
 is bench/server_latency.py's (prompt_of, with its --prompt-tokens: 512 makes the same ~522-token
 /infill prompt as its 7B figure): every line names the request, so no chunk of the tokenizer's
-cache serves it and the route tokenizes every token. Its phases, from the stamps the server puts
-in /metrics (read between requests, as bench/server_latency.py does) and the backend's stamp of
-its first token, on the same clock as the client's (time.perf_counter, CLOCK_MONOTONIC on Linux):
+cache serves it and the route tokenizes every token (--route completions: the same text as the
+prompt of a streamed /v1/completions, max_tokens 1, instead). Its phases, from the stamps the
+server puts in /metrics (read between requests, as bench/server_latency.py does) and the
+backend's stamp of its first token, on the same clock as the client's (time.perf_counter,
+CLOCK_MONOTONIC on Linux):
 - send -> route: httpx sending, the kernel, uvicorn and Starlette up to the route's first line;
 - route -> job start: pynanoqwen_time_to_start_seconds (the body, its schema, the prompt,
   tokenizing it, the hand-off to the engine thread);
@@ -86,14 +89,18 @@ def metric(text: str, name: str) -> float:
 
 def infill(client, body: dict) -> tuple[float, list[float]]:
     """Send a streamed /infill: (time.perf_counter() at the send, at each data event)."""
+    return post(client, "/infill", {**body, "stream": True, "return_tokens": True, "cache_prompt": False})
+
+
+def post(client, path: str, body: dict) -> tuple[float, list[float]]:
+    """Send a request with a streamed answer: (time.perf_counter() at the send, at each data event)."""
     start = time.perf_counter()
-    with client.stream("POST", "/infill", json={**body, "stream": True, "return_tokens": True,
-                                                "cache_prompt": False}) as response:
+    with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
         return start, [time.perf_counter() for line in response.iter_lines() if line.startswith("data:")]
 
 
-def client_main(url: str, requests: int, prompt_tokens: int) -> dict:
+def client_main(url: str, requests: int, prompt_tokens: int, route: str = "infill") -> dict:
     """Every request of the bench, in order (the server pairs its /infill ones with its backend's
     first-token stamps), timed here: ms of /health round trips; for each /infill the send and the
     data events' times, and for the cold ones the two /metrics histograms' growth in ms; and the
@@ -118,12 +125,17 @@ def client_main(url: str, requests: int, prompt_tokens: int) -> dict:
                 body = {"input_prefix": f"# request {i}\ndef add(a, b):\n", "input_suffix": "", "n_predict": n_predict}
                 out[f"short_{n_predict}"].append(infill(client, body))
         histograms = ("pynanoqwen_time_to_start_seconds_sum", "pynanoqwen_time_to_first_token_seconds_sum")
+        model_id = client.get("/v1/models").json()["data"][0]["id"]
         for i in range(WARM_UP + requests):
             prefix = prompt_of(tokenizer, prompt_tokens, 1 + i)
-            out["cold_tokens"].append(len(tokenizer.encode(infill_prompt(prefix, "", (), ""))))
-            body = {"input_prefix": prefix, "input_suffix": "", "n_predict": 1, "temperature": 0}
+            if route == "infill":
+                out["cold_tokens"].append(len(tokenizer.encode(infill_prompt(prefix, "", (), ""))))
+                body = {"input_prefix": prefix, "input_suffix": "", "n_predict": 1, "temperature": 0}
+            else:
+                out["cold_tokens"].append(len(tokenizer.encode(prefix)))
+                body = {"model": model_id, "prompt": prefix, "max_tokens": 1, "temperature": 0, "stream": True}
             before = client.get("/metrics").text
-            sent, events = infill(client, body)
+            sent, events = infill(client, body) if route == "infill" else post(client, "/v1/completions", body)
             after = client.get("/metrics").text
             to_start, to_first = (1e3 * (metric(after, name) - metric(before, name)) for name in histograms)
             out["cold"].append((sent, events, to_start, to_first))
@@ -142,12 +154,14 @@ def main(argv=None) -> dict:
                         help="the backend's sleep before its first token, as the engine's prefill")
     parser.add_argument("--launch-us", type=float, default=0.0,
                         help="Python the backend runs after each token, GIL held, as the engine's step launch")
+    parser.add_argument("--route", choices=("infill", "completions"), default="infill",
+                        help="the cold request's route: /infill, or /v1/completions with the same text as its prompt")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # the child process: the server's URL
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be at least 1")
     if args.client:
-        print(json.dumps(client_main(args.client, args.requests, args.prompt_tokens)))
+        print(json.dumps(client_main(args.client, args.requests, args.prompt_tokens, args.route)))
         return {}
 
     from pynanoqwen.data import EMBEDDED_MODEL
@@ -161,7 +175,8 @@ def main(argv=None) -> dict:
     app = make_app(backend, info, api_key=None, max_queue=8, prefix_cache=False, lookup=LookupParams())
     with ServerThread(app) as server:
         child = subprocess.run([sys.executable, __file__, "--client", server.url, "--requests", str(args.requests),
-                                "--prompt-tokens", str(args.prompt_tokens)], capture_output=True, text=True)
+                                "--prompt-tokens", str(args.prompt_tokens), "--route", args.route],
+                               capture_output=True, text=True)
     if child.returncode:
         raise SystemExit(f"the client failed:\n{child.stderr}")
     times = json.loads(child.stdout)
@@ -197,7 +212,8 @@ def main(argv=None) -> dict:
     print(f"| what the server adds (medians of {args.requests}, ms) | |\n| --- | ---: |")
     labels = {"health_ms": "GET /health round trip", "first_event_ms": "/infill, first event (n_predict 1)",
               "first_event_16_ms": "/infill, first event (n_predict 16)", "event_gap_ms": "/infill, between events",
-              "cold_first_event_ms": f"/infill of a cold {times['cold_tokens']:.0f}-token prompt, first event",
+              "cold_first_event_ms": f"{'/infill' if args.route == 'infill' else '/v1/completions'} of a cold "
+                                     f"{times['cold_tokens']:.0f}-token prompt, first event",
               **{name: f"... {label}" for name, label in PHASES.items()}}
     for name, label in labels.items():
         print(f"| {label} | {result[name]:.3f} |")

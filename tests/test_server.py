@@ -5,6 +5,7 @@ is compared with what `generate` makes of the same prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -17,7 +18,7 @@ from pynanoqwen.fileformat import NanoQwenFile
 from pynanoqwen.prompt_lookup import LookupParams
 from pynanoqwen.server.prompts import infill_prompt
 from pynanoqwen.server.run import load_model
-from server_harness import CONTEXT, embedded, generate_text, metric, rewritten, serving
+from server_harness import CONTEXT, embedded, generate_text, metric, rewritten, scripted, serving
 
 PROMPTS = ("def fibonacci(n):\n", "import os\n\n\nclass Config:\n    def __init__(self", "for i in range(10):\n")
 # A file long enough that /infill prompts span many KV pages (156 tokens with the FIM layout).
@@ -418,3 +419,28 @@ def test_a_tokenizer_beyond_the_model_vocabulary_is_refused_at_load_and_token_id
         assert f"Token id {vocab_size} is outside the vocabulary" in refused.json()["error"]["message"]
         answer = http.post("/v1/completions", json={"model": model.id, "prompt": "x", "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+def test_small_bodies_are_parsed_on_the_event_loop_and_large_ones_on_a_worker_thread(monkeypatch):
+    """Each route has its parser bound when the app is built (no URL parsed to find it). A body of
+    up to PARSE_IN_THREAD_BYTES is checked and tokenized on the event loop, which saves a thread hop
+    from the time to first token; a larger one on a worker thread, so the loop keeps serving."""
+    from pynanoqwen.server import app, protocol
+
+    parse, on_loop = protocol.ENDPOINTS["/infill"][1], []
+
+    def recording(body, model):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return parse(body, model)
+
+    monkeypatch.setitem(protocol.ENDPOINTS, "/infill", (protocol.INFILL, recording))
+    backend, model = scripted([300])
+    with serving(backend, model) as url, httpx.Client(base_url=url, timeout=60) as http:
+        statuses = [http.post("/infill", json={"input_prefix": prefix, "input_suffix": "", "n_predict": 1}).status_code
+                    for prefix in ("x = 1\n", "x = 1\n" * (app.PARSE_IN_THREAD_BYTES // 6))]
+    assert on_loop == [True, False]
+    assert statuses == [200, 400]  # the large prefix is more tokens than the context holds

@@ -263,3 +263,46 @@ def test_after_a_streamed_jobs_first_event_the_engine_waits_until_the_response_w
     written, resumed = asyncio.run(run(streamed=True))
     assert resumed >= written
     asyncio.run(run(streamed=False))  # done within 10 s: no 30 s wait
+
+
+def test_a_job_submitted_to_an_idle_worker_has_started_when_submit_returns(monkeypatch):
+    """submit waits (at most scheduler.START_WAIT_S) until an idle worker has taken the job, so the
+    engine starts before the event loop writes the response's headers; behind a running job it
+    does not wait, and the job waits in the queue."""
+    import asyncio
+    import threading
+
+    from pynanoqwen.sampling import SamplingParams
+    from pynanoqwen.server import scheduler as engine
+    from pynanoqwen.server.metrics import Metrics
+
+    monkeypatch.setattr(engine, "START_WAIT_S", 30.0)  # only the worker taking the job ends the wait in time
+    _, model = scripted([])
+    release = threading.Event()
+
+    class Backend:
+        name, max_context = "held", model.max_context
+
+        def generate(self, prompt_ids, params, max_new_tokens, stop_ids, lookup=None):
+            release.wait(10)
+            yield 300
+
+    async def run():
+        scheduler = engine.Scheduler(Backend(), model.tokenizer, Metrics(None), 8, None)
+        scheduler.start()
+        try:
+            request = engine.GenerationRequest([1, 2], SamplingParams(), 1, frozenset())
+            began = time.perf_counter()
+            first = scheduler.submit(request, began)
+            assert first.state == "running" and time.perf_counter() - began < 10
+            second = scheduler.submit(request, time.perf_counter())
+            assert second.state == "queued"
+            release.set()
+            for job in (first, second):
+                while not isinstance(await asyncio.wait_for(job.events.get(), 10), engine.Done):
+                    pass
+        finally:
+            release.set()
+            scheduler.stop()
+
+    asyncio.run(run())

@@ -9,7 +9,9 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, tra
 
 from pynanoqwen.checkpoint import QWEN25_CHAT_TEMPLATE
 from pynanoqwen.errors import FormatError, NanoQwenError
-from pynanoqwen.tokenizer import LINE_CUT, QWEN2_SPLIT_PATTERN, QWEN_DEFAULT_SYSTEM, StreamDecoder, Tokenizer
+from pynanoqwen import tokenizer as tokenizer_module
+from pynanoqwen.tokenizer import (ASCII_SPLIT, LINE_CUT, QWEN2_SPLIT_PATTERN, QWEN_DEFAULT_SYSTEM, StreamDecoder,
+                                 Tokenizer)
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
            "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
@@ -333,22 +335,28 @@ def test_every_line_cut_keeps_the_ids(parts):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG, LONG + "e", "\u0301" + LONG]), max_size=14),
-       st.sampled_from([(1, 1), (1, 64), (512, 2048)]), st.booleans())
-def test_encode_cached_is_encode_token_for_token(tokenizer, parts, chunk_chars, parallel):
+@given(st.lists(st.sampled_from(PIECES + SPECIAL + [LONG, LONG + "e", "\u0301" + LONG, "x = 'é'\n" + LONG]),
+                max_size=14),
+       st.sampled_from([(1, 1), (1, 64), (512, 2048)]), st.booleans(), st.booleans())
+def test_encode_cached_is_encode_token_for_token(tokenizer, parts, chunk_chars, parallel, piece_path):
     """Whatever the runs between added tokens, however they are cut into chunks (at every line
-    start, at column 0 only, as shipped), encoded one by one or in one call, and however often a
-    chunk comes back (cached or not), encode_cached gives encode's ids, on three tokenizers."""
+    start, at column 0 only, as shipped), encoded one by one or in one call, ASCII lines by the
+    piece path or not, and however often a chunk comes back (cached or not), encode_cached gives
+    encode's ids, on three tokenizers."""
     text = "".join(parts)
     for tok in (tokenizer, EMBEDDED_TOKENIZER, QWEN2_PATTERN_TOKENIZER):
         tok.CHUNK_MIN_CHARS, tok.CHUNK_MAX_CHARS = chunk_chars
         tok.PARALLEL_CHARS = 0 if parallel else Tokenizer.PARALLEL_CHARS
+        byte_chars = tok._byte_chars
+        if not piece_path:
+            tok._byte_chars = None
         try:
             expected = tok.encode(text)
             assert tok.encode_cached(text) == expected
             assert tok.encode_cached(text) == expected  # now from the cache
         finally:
             del tok.CHUNK_MIN_CHARS, tok.CHUNK_MAX_CHARS, tok.PARALLEL_CHARS
+            tok._byte_chars = byte_chars
 
 
 def test_an_edited_line_encodes_only_its_chunk(monkeypatch):
@@ -361,8 +369,88 @@ def test_an_edited_line_encodes_only_its_chunk(monkeypatch):
     edited = "<|fim_prefix|>" + "".join(functions)
     encoded = []
     monkeypatch.setattr(tok, "encode", lambda text: encoded.append(text) or Tokenizer.encode(tok, text))
+    monkeypatch.setattr(tok, "_encode_pieces",
+                        lambda text: encoded.append(text) or Tokenizer._encode_pieces(tok, text))
     assert tok.encode_cached(edited) == Tokenizer.encode(tok, edited)
     assert len(encoded) == 1 and functions[100] in encoded[0] and len(encoded[0]) < 2 * Tokenizer.CHUNK_MIN_CHARS
+
+
+# Characters for the piece path's tests: one of each kind the split pattern tells apart in ASCII
+# (letters, among them those of the contractions and in both cases, digits, each White_Space
+# character, the control characters that Python's \s would take as space and the pattern does not,
+# punctuation, the apostrophe), and all 128 in the checks that pair them.
+ASCII_KINDS = "aZsSrRetTvVmMlLdD09 \t\n\r\x0b\x0c\x1c\x1f\x00\x7f'(.:;#_-"
+CODE = ["def f(x):\n", "    return x\n", "\n\n", "  ", "\t", "\r\n", "It's", " 'LL", "x'd", "0123", "):\n",
+        "  # ok\n", "<|", "|>", "file_sep"]
+
+
+def library_pieces(tok: Tokenizer, text: str) -> list[str]:
+    """The library's pre-tokenizer's pieces of `text`, in the text's own characters."""
+    char_bytes = {char: chr(byte) for byte, char in tok._byte_chars.items()}
+    return ["".join(char_bytes[c] for c in piece) for piece, _ in tok._tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_ascii_split_is_the_librarys_split_of_every_ascii_pair_and_kind_triple():
+    """ASCII_SPLIT cuts ASCII text where the library's pre-tokenizer, with Qwen2's pattern (the real
+    Qwen2.5 tokenizer's), cuts it: every two ASCII characters, every three of ASCII_KINDS."""
+    tok = EMBEDDED_TOKENIZER
+    texts = [a + b for a in map(chr, range(128)) for b in map(chr, range(128))]
+    texts += [a + b + c for a in ASCII_KINDS for b in ASCII_KINDS for c in ASCII_KINDS]
+    joined = "\x01".join(texts)  # the pieces of every text at once, and each text's own below
+    assert ASCII_SPLIT.findall(joined) == library_pieces(tok, joined)
+    for text in texts[::7]:
+        assert ASCII_SPLIT.findall(text) == library_pieces(tok, text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(CODE), st.text(alphabet=st.characters(max_codepoint=127), max_size=6)),
+                max_size=30))
+def test_the_piece_path_is_the_librarys_encode_on_ascii_text(parts):
+    """On any ASCII text (without added tokens), the piece path's ids are the library's, on both
+    tokenizers with Qwen2's pattern; kept pieces give the same ids again."""
+    text = "".join(parts)
+    for tok in (EMBEDDED_TOKENIZER, QWEN2_PATTERN_TOKENIZER):
+        for added in tok._added_ids:
+            text = text.replace(added, "")
+        assert "".join(ASCII_SPLIT.findall(text)) == text
+        expected = tok.encode(text)
+        assert tok._encode_pieces(text) == expected
+        assert tok._encode_pieces(text) == expected
+
+
+def test_the_piece_path_only_where_it_gives_the_librarys_ids(tokenizer, monkeypatch):
+    """On for Qwen2's pattern; off for GPT-2's (no line cuts), and off when the construction's check
+    against the library fails (here: a split pattern that keeps a line feed with the indentation)."""
+    assert EMBEDDED_TOKENIZER.piece_path and QWEN2_PATTERN_TOKENIZER.piece_path and not tokenizer.piece_path
+    monkeypatch.setattr(tokenizer_module, "ASCII_SPLIT", tokenizer_module.re.compile(r"\s+(?!\S)|\S+|\s+"))
+    tok = embedded_tokenizer()
+    assert not tok.piece_path and not tok._piece_ids
+    text = "<|fim_prefix|>" + LONG + "x\n    y"
+    assert tok.encode_cached(text) == tok.encode(text)
+
+
+def test_a_non_ascii_character_sends_only_its_lines_to_the_library(monkeypatch):
+    """A new chunk with one non-ASCII line: the library encodes the lines from the line start before
+    it to the one after it; the rest takes the piece path. The ids are encode's."""
+    tok = embedded_tokenizer()
+    lines = [f"def helper_{i}(x):\n    return x * {i}\n" for i in range(30)]
+    lines[12] = "def helper_12(x):\n    return x * '\u00e9'  # caf\u00e9\n"
+    text = "<|fim_prefix|>" + "".join(lines) + "<|fim_suffix|>"
+    library = []
+    monkeypatch.setattr(tok, "encode", lambda text: library.append(text) or Tokenizer.encode(tok, text))
+    assert tok.encode_cached(text) == Tokenizer.encode(tok, text)
+    assert library == ["    return x * '\u00e9'  # caf\u00e9\n"]
+
+
+def test_the_piece_table_is_bounded():
+    """Pieces longer than PIECE_MAX_CHARS are not kept, and the table starts again empty past
+    PIECES_KEPT; the ids stay the library's."""
+    tok = embedded_tokenizer()
+    tok.PIECES_KEPT = 40
+    text = "".join(f"name_{i} = {i} + value_{i}\n" for i in range(100)) + " " * 100 + "x" * 100
+    assert tok._encode_pieces(text) == tok.encode(text)
+    assert 0 < len(tok._piece_ids) <= 40 and max(map(len, tok._piece_ids)) <= tok.PIECE_MAX_CHARS
+    assert tok._encode_pieces(text) == tok.encode(text)
 
 
 @settings(max_examples=200, deadline=None)
@@ -385,3 +473,16 @@ def test_encode_cached_keeps_a_bounded_number_of_characters():
     kept = sum(map(len, tok._chunk_ids))
     assert kept == tok._cached_chars and tok.CACHE_CHARS - len(LONG) - 3 < kept <= tok.CACHE_CHARS
     assert files[-1].split("<|file_sep|>")[1] in tok._chunk_ids and files[0].split("<|file_sep|>")[1] not in tok._chunk_ids
+
+
+def test_much_new_text_goes_to_the_library_at_once(monkeypatch):
+    """New text of PIECE_PATH_CHARS or more is the library's (it lets other threads run while it
+    encodes); less takes the piece path. Either way the ids are encode's."""
+    tok = embedded_tokenizer()
+    tok.PIECE_PATH_CHARS = 4 * len(LONG)
+    split = []
+    monkeypatch.setattr(tok, "_encode_pieces", lambda text: split.append(text) or Tokenizer._encode_pieces(tok, text))
+    much = "<|fim_prefix|>" + "".join(LONG.replace("helper", f"much_{i}") for i in range(4))
+    assert tok.encode_cached(much) == tok.encode(much) and not split
+    little = "<|fim_prefix|>" + LONG.replace("helper", "little")
+    assert tok.encode_cached(little) == tok.encode(little) and split

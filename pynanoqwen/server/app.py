@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -40,10 +41,11 @@ from .responses import Formatter, cancelled_error
 from .scheduler import Job, QueueFull, Scheduler, Text
 
 MAX_BODY_BYTES = 16 * 2**20  # far more text than a 32k-token context holds
-# Bodies larger than this are checked and tokenized on a worker thread (the tokenizer releases the
-# GIL), not on the event loop: tokenizing took ~0.7 us per character on a 2-core development
-# machine, so 16 KiB would stall every other response for ~11 ms. Smaller ones stay on the loop,
-# which saves the thread hop from the time to first token.
+# Bodies larger than this are checked and tokenized on a worker thread (the tokenizer library
+# releases the GIL; Tokenizer's piece path, for less new text than PIECE_PATH_CHARS, does not), not
+# on the event loop: tokenizing took ~0.7 us per character on a 2-core development machine (the
+# piece path ~0.1-0.2), so 16 KiB would stall every other response for ~11 ms. Smaller ones stay
+# on the loop, which saves the thread hop from the time to first token.
 PARSE_IN_THREAD_BYTES = 16 * 2**10
 PUBLIC_PATHS = ("/health", "/openapi.json")
 RETRY_AFTER_S = 1
@@ -185,10 +187,9 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
     model_entry = {"id": model.id, "object": "model", "created": started, "owned_by": "pynanoqwen",
                    "max_context": model.max_context}
 
-    async def generation(request: Request):
+    async def generation(request: Request, parse):
         arrival = time.perf_counter()
         body, size = await read_json(request)
-        parse = ENDPOINTS[request.url.path][1]
         if size > PARSE_IN_THREAD_BYTES:
             generation_request, reply = await run_in_threadpool(parse, body, model)
         else:
@@ -253,7 +254,10 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
         return error_response(ApiError(500, "Internal server error; the server log has the traceback.",
                                        code="internal_error"))
 
-    routes = [Route(path, generation, methods=["POST"]) for path in ENDPOINTS]
+    # Each endpoint's parser bound to its route: finding it by request.url.path built and parsed the
+    # URL on every request (~35 us of the route's time on the 2-core VM, its caches cold).
+    routes = [Route(path, functools.partial(generation, parse=parse), methods=["POST"])
+              for path, (_, parse) in ENDPOINTS.items()]
     routes += [Route(path, endpoint, methods=["GET"]) for path, endpoint in (
         ("/v1/models", models), ("/v1/models/{name:path}", one_model), ("/health", health), ("/metrics", prometheus),
         ("/openapi.json", openapi))]

@@ -7,7 +7,9 @@ into text (tokenizer.StreamDecoder, then textstream.TextStops) and hands every p
 loop with loop.call_soon_threadsafe onto the job's asyncio.Queue, so a streaming response awaits
 its next event without ever blocking the loop. After a streamed job's first event the worker waits,
 at most FIRST_EVENT_WAIT_S, until the response has written it: the loop then has the GIL to itself
-for that event, the one that sets the time to first token.
+for that event, the one that sets the time to first token. The other way round, a job submitted to
+an idle worker is taken up before `submit` returns (at most START_WAIT_S), so the engine starts
+before the loop writes the response's headers.
 
 Cancellation: `Job.cancel` (the client went away, or server/protocol.py's newer /infill from the
 same client) sets a flag that the worker reads after every token; it then closes the backend's
@@ -90,6 +92,13 @@ class QueueFull(Exception):
 # that runs 300 us of Python after each token (--prefill-ms 5 --launch-us 300): first token to
 # first event 0.73-0.84 -> 0.40-0.51 ms (medians of 150, three interleaved rounds).
 FIRST_EVENT_WAIT_S = 0.001
+# How long `submit` waits, when the worker is idle, for it to take the job just queued. The loop
+# waits with the GIL released, so the worker starts the job at once, instead of after the route has
+# written the response's headers and the loop has nothing left to run; the headers go out while
+# the backend computes the prefill. 2-core VM, bench/server_overhead.py --prefill-ms 5
+# --launch-us 300, a cold 523-token /infill: route to job start 0.57-0.62 -> 0.43-0.55 ms (medians
+# of 150, six interleaved rounds). A busy worker is not waited for: the job waits in the queue.
+START_WAIT_S = 0.001
 
 
 class Job:
@@ -164,9 +173,12 @@ class Scheduler:
         with self._lock:
             if self._stopping or (len(self._pending) >= self.max_queue and self._running is not None):
                 raise QueueFull()
+            idle = self._running is None and not self._pending
             self._pending.append(job)
             self.metrics.queued.set(len(self._pending))
             self._lock.notify()
+            if idle:  # the worker takes it up now, the lock and the GIL released meanwhile
+                self._lock.wait_for(lambda: job.state != "queued", START_WAIT_S)
         return job
 
     def cancel(self, job: Job, reason: str) -> None:
@@ -197,6 +209,7 @@ class Scheduler:
                 job = self._running = self._pending.popleft()
                 job.state = "running"
                 self.metrics.queued.set(len(self._pending))
+                self._lock.notify_all()  # a submit waiting for its job to start (START_WAIT_S)
             try:
                 done = self._run(job)
             except Exception:  # a bug or a backend failure: answer this request, keep serving
