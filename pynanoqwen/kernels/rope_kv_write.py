@@ -28,12 +28,17 @@ nothing: their positions may lie in pages that are not allocated (page_table hol
 there), and their q is never read. Because both use the same kernel, a position's K/V come out
 the same whether a prompt ran batched or token by token from the same qkv.
 
-Launch: grid (num_heads + 2 num_kv_heads, R), head_dim / 2 threads (36 x R blocks of 64 at 7B).
-Block (b, i) handles head b (q heads, then k heads, then v heads) of row i; thread t the pair
-(t, t + head_dim / 2). Traffic at 7B per row: 18 KiB of qkv read, 14 KiB of q and 4 KiB of K/V
-written; at R = 512, 18 MB per layer (~4 us at 4.3 TB/s). The decode step no longer launches it:
-the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py); `launch`
-(one row) remains for validate's unit check of this kernel. Measured figures: docs/PERFORMANCE.md.
+Launch: grid (R), THREADS threads. Block i handles row i: its THREADS // (head_dim / 2) groups of
+head_dim / 2 threads take the heads (q heads, then k heads, then v heads) in turn, group g heads g,
+g + groups, ...; thread t of a group the pair (t, t + head_dim / 2). Traffic at 7B per row: 18 KiB
+of qkv read, 14 KiB of q and 4 KiB of K/V written; at R = 2048, 74 MB per layer (~17 us at 4.3
+TB/s, ~24 at the H100's 3.0). A block a (head, row), 64 threads each, was the first form: 73728
+blocks at R = 2048, and 89 us a layer on the H100, ~3.7x the bytes' time (docs/PERFORMANCE.md,
+"2026-12-06, night": the prefill breakdown), since each block moved only 1.5 KiB; a block a row
+moves 36 KiB. The arithmetic of each element is the same in both forms. The decode step no longer
+launches it: the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py);
+`launch` (one row) remains for validate's unit check of this kernel. Measured figures:
+docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 from numba import cuda
 from numba.core import types
 
+from ..errors import ConfigError
 from ..launch import launch
 from ..ptx.griddep import grid_dependency_wait, launch_dependents
 from ..reference import rope_tables
@@ -62,45 +68,49 @@ def rope_cos_sin(head_dim: int, theta: float, max_context: int) -> tuple[np.ndar
     return np.ascontiguousarray(cos[:, :half]), np.ascontiguousarray(sin[:, :half])
 
 
+THREADS = 256  # a block: one row, 4 heads at a time at head_dim 128
+
+
 @functools.cache
 def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
     half = head_dim // 2
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
+    groups = THREADS // half  # heads rotated at once
+    passes = -(-(num_heads + 2 * num_kv_heads) // groups)
 
     @cuda.jit
     def rope_kv_write(qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages):
         launch_dependents()
         grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
-        head = cuda.blockIdx.x
-        row = cuda.blockIdx.y
-        i = cuda.threadIdx.x
+        row = cuda.blockIdx.x
         if row >= m[0]:
             return
+        group = cuda.threadIdx.x // half
+        i = cuda.threadIdx.x % half
         p = start[0] + row
-        if head < num_heads:
-            x1 = qkv[row, head * head_dim + i]
-            x2 = qkv[row, head * head_dim + half + i]
-            c = rope_cos[p, i]
-            s = rope_sin[p, i]
-            q[row, head, i] = x1 * c - x2 * s
-            q[row, head, half + i] = x2 * c + x1 * s
-            return
+        c = rope_cos[p, i]
+        s = rope_sin[p, i]
         page = page_table[p // PAGE_SIZE]
         slot = p % PAGE_SIZE
-        kv_head = head - num_heads
-        if kv_head < num_kv_heads:
-            x1 = qkv[row, k_start + kv_head * head_dim + i]
-            x2 = qkv[row, k_start + kv_head * head_dim + half + i]
-            c = rope_cos[p, i]
-            s = rope_sin[p, i]
-            k_pages[page, kv_head, slot, stored_dim(slot, i)] = x1 * c - x2 * s
-            k_pages[page, kv_head, slot, stored_dim(slot, half + i)] = x2 * c + x1 * s
-        else:
-            kv_head -= num_kv_heads
-            v = v_start + kv_head * head_dim
-            v_pages[page, kv_head, slot, stored_dim(slot, i)] = qkv[row, v + i]
-            v_pages[page, kv_head, slot, stored_dim(slot, half + i)] = qkv[row, v + half + i]
+        for step in range(passes):
+            head = step * groups + group
+            if head < num_heads:
+                x1 = qkv[row, head * head_dim + i]
+                x2 = qkv[row, head * head_dim + half + i]
+                q[row, head, i] = x1 * c - x2 * s
+                q[row, head, half + i] = x2 * c + x1 * s
+            elif head < num_heads + num_kv_heads:
+                kv_head = head - num_heads
+                x1 = qkv[row, k_start + kv_head * head_dim + i]
+                x2 = qkv[row, k_start + kv_head * head_dim + half + i]
+                k_pages[page, kv_head, slot, stored_dim(slot, i)] = x1 * c - x2 * s
+                k_pages[page, kv_head, slot, stored_dim(slot, half + i)] = x2 * c + x1 * s
+            elif head < num_heads + 2 * num_kv_heads:
+                kv_head = head - num_heads - num_kv_heads
+                v = v_start + kv_head * head_dim
+                v_pages[page, kv_head, slot, stored_dim(slot, i)] = qkv[row, v + i]
+                v_pages[page, kv_head, slot, stored_dim(slot, half + i)] = qkv[row, v + half + i]
 
     return rope_kv_write
 
@@ -111,9 +121,9 @@ class RopeKvWrite:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         check_head_dim(head_dim)
+        if THREADS % (head_dim // 2):
+            raise ConfigError(f"head_dim {head_dim}: {THREADS} threads are not whole groups of head_dim / 2")
         self.kernel = _rope_kv_write_kernel(num_heads, num_kv_heads, head_dim)
-        self.heads = num_heads + 2 * num_kv_heads
-        self.threads = head_dim // 2
         self.one_row = cuda.to_device(np.ones(1, np.int32))  # the decode step's m, made once
 
     def launch_rows(self, stream, qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages) -> None:
@@ -121,7 +131,7 @@ class RopeKvWrite:
         start, m int32 [1] (m <= R), page_table int32 [max_pages] -> q float32 [>= R, num_heads,
         head_dim] rows 0 .. m - 1, and positions start .. start + m - 1 of k_pages, v_pages float16
         [num_pages, num_kv_heads, PAGE_SIZE, head_dim]."""
-        launch(self.kernel, (self.heads, qkv.shape[0]), self.threads, stream,
+        launch(self.kernel, (qkv.shape[0],), THREADS, stream,
                (qkv, rope_cos, rope_sin, start, m, page_table, q, k_pages, v_pages))
 
     def launch(self, stream, qkv, rope_cos, rope_sin, pos, page_table, q, k_pages, v_pages) -> None:
