@@ -4,15 +4,17 @@ X is float16 [M, K] (M = prompt tokens, row-major); W is an INT4 linear in the V
 layout of pynanoqwen/quant.py (qweight uint32 [N, K/8], scales float16 [N, K/128]). Prefill of a
 512-token prompt through the 7B model is ~7.8 TFLOP: tensor-core work, not the GEMV's
 bandwidth problem. The weights are dequantized on the fly, in registers, straight into a tensor-core
-operand. Two kernels do it, chosen by the tile shape (gemm_int4_tiles.py, `default_tiles_for`):
+operand. Three kernels do it, chosen by the tile shape (gemm_int4_tiles.py, `default_tiles_for`):
 - WgmmaTile shapes: Hopper's asynchronous warpgroup MMA (gemm_int4_wgmma.py), for every prompt
-  bucket: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table).
+  bucket: 350-490 TFLOP/s at the 7B shapes from M = 512 (bench's GEMM table); TmaTile shapes, the
+  same kernel fed by TMA (gemm_int4_tma.py), for long prompts: gate_up 627 TFLOP/s at M = 2048 on
+  the H100.
 - TileShape shapes: `mma.sync.m16n8k16` (FP16 x FP16 -> FP32, ptx/mma.py), Marlin-style, this
   module's kernel, described below: SMALL, for shapes no wgmma tile fits.
   mma.sync does not reach the Hopper tensor cores' rate: its large 128 x 128 tile peaked near 270
   TFLOP/s and lost to wgmma at every 7B shape from M = 64 (docs/PERFORMANCE.md), so it left the
   product for dev/gemm_mma_sync_large.py, with its own check and timing.
-Both share the API, the operands and the epilogues; the factories below build either.
+All share the API, the operands and the epilogues; the factories below build any of them.
 
 Launch shape (mma.sync). grid = (ceil(M / BLOCK_M), N / COLS), block = 32 * WARPS_M * WARPS_N
 threads. Block (i, j) computes rows BLOCK_M*i.. of columns COLS*j..; blocks next to each other in x
