@@ -69,7 +69,7 @@ from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.gemm_int4 import _weights
 from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, default_tiles_for, k_chunks
-from pynanoqwen.kernels.gemm_int4_tma import tma_signature
+from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, tma_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
     check_chunks, tile_epilogue, tile_multiply
 from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
@@ -79,7 +79,7 @@ from pynanoqwen.oracles import passed
 from pynanoqwen.ptx import SIMULATOR
 from pynanoqwen.ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
-from pynanoqwen.ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d, tensor_map
+from pynanoqwen.ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d
 from pynanoqwen.ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_wait_group
 
 U = np.uint32
@@ -255,29 +255,25 @@ def threads(tiles: WgmmaTile, lane_lag: int | None = None) -> int:
 
 class TmaGemm:
     """One linear (one weight matrix, or gate and up) on this kernel, as the product's Int4Gemm and
-    GateUpSiluGemm take it; X's tensor map kept per (buffer, M)."""
+    GateUpSiluGemm take it; its tensor maps as the product keeps them (gemm_int4_tma.TensorMaps)."""
 
     def __init__(self, n: int, k: int, weights, epilogue: str, tiles: WgmmaTile, chunks: int = 1, bias=None,
                  lane_lag: int | None = None):
-        self.n, self.k, self.tiles, self.threads = n, k, tiles, threads(tiles, lane_lag)
+        self.n, self.tiles, self.threads = n, tiles, threads(tiles, lane_lag)
         self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag)
         self.cols = tiles.block_n // len(weights)
         flat = [_weights(n, k, q, s) for q, s in weights]
         self.qweights = [q for q, _ in flat]  # a tensor map holds the address, not the array: keep them alive
-        self.w_maps = [tensor_map(q.reshape(n, k // 8), W_ROW_WORDS, self.cols, False) for q in self.qweights]
+        self.maps = TensorMaps(n, k, tiles, self.qweights)
         self.scales = [s for _, s in flat]
         self.bias = cuda.to_device(np.zeros(n, np.float16)) if bias is None else bias
-        self.x_maps: dict = {}  # the caller keeps each x alive while its map is used
 
     def launch(self, stream, x, out, m: int) -> None:
         """out[:m] (+)= x[:m] W^T with the kernel's epilogue (x float16 [>= m, K])."""
-        key = (id(x) if SIMULATOR else x.device_ctypes_pointer.value, m)
-        if key not in self.x_maps:
-            self.x_maps[key] = tensor_map(x, K_TILE, self.tiles.tokens, True, rows=m)
         grid = (-(-m // self.tiles.tokens), self.n // self.cols)
         launch(self.kernel, grid, self.threads, stream,
-               (self.x_maps[key], U(m), self.w_maps[0], self.scales[0], self.w_maps[-1], self.scales[-1], self.bias,
-                out.reshape(out.size)), self.tiles.dynamic_shared_bytes, dependent=False)
+               (self.maps.x(x, m), U(m), self.maps.weights[0], self.scales[0], self.maps.weights[-1], self.scales[-1],
+                self.bias, out.reshape(out.size)), self.tiles.dynamic_shared_bytes, dependent=False)
 
 
 # What is timed, (tiles, lane_lag): a producer warp at the 128-token tile (9 warps: 168 registers a
