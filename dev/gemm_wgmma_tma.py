@@ -81,7 +81,7 @@ from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.gemm_int4 import _weights
 from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, WG2_T256, default_tiles_for, k_chunks
-from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, tma_signature
+from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, stage_fill, tma_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
     check_chunks, tile_epilogue, tile_multiply
 from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
@@ -89,9 +89,8 @@ from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, 
 from pynanoqwen.launch import launch
 from pynanoqwen.oracles import passed
 from pynanoqwen.ptx import SIMULATOR
-from pynanoqwen.ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
-    mbarrier_wait
-from pynanoqwen.ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d
+from pynanoqwen.ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_init, mbarrier_wait
+from pynanoqwen.ptx.tensor_copy import acquire_tensor_map
 from pynanoqwen.ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_wait_group
 
 U = np.uint32
@@ -134,10 +133,9 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     ACCUMULATORS = WIDTH // 2
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
-    STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
     GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
     GATE_UP = matrices == 2
-    multiply, store = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue)
+    multiply, store, fill = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue), stage_fill(tiles, matrices)
 
     @cuda.jit(device=True, inline="always")
     def acquire_maps(x_map, w_map0, w_map1):
@@ -145,21 +143,6 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
         acquire_tensor_map(w_map0)
         if GATE_UP:
             acquire_tensor_map(w_map1)
-
-    @cuda.jit(device=True, inline="always")
-    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
-        """k tile kt's boxes into stage kt % STAGES, once its consumers released the stage's last fill."""
-        stage = kt % U(STAGES)
-        # Fill kt // STAGES of this stage needs its consumers' release of the previous fill; in the
-        # first round parity 1 names the phase before phase 0, complete.
-        mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
-        mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
-        word = ring + stage * U(STAGE_WORDS)
-        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
-        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
-        if GATE_UP:  # the up rows after the gate rows
-            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
-                           stage)
 
     @cuda.jit(device=True, inline="always")
     def consume(maps, tile, ring, full, empty, kt, m0, n0, offset_a, offset_b, constants, scale_a, scale_b, a, acc,

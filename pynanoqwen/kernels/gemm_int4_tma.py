@@ -82,6 +82,36 @@ TMA_T256 = TmaTile(2, 256)  # 128 weight rows x 256 tokens: the one the product 
 
 
 @functools.cache
+def stage_fill(tiles: WgmmaTile, matrices: int):
+    """fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0): k tile kt's boxes (X's, then
+    W's COLS rows, then for gate/up the same rows of W1) into stage kt % STAGES of the ring at shared
+    word `ring`, once every thread has released that stage's previous fill (`empty`), their bytes
+    completing on `full`. Shared with dev/gemm_wgmma_tma.py's other producers."""
+    TOKENS, ROWS, STAGES = tiles.tokens, tiles.block_n, tiles.stages
+    COLS = ROWS // matrices
+    X_STAGE_WORDS = TOKENS * X_ROW_WORDS
+    STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
+    STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
+    GATE_UP = matrices == 2
+
+    @cuda.jit(device=True, inline="always")
+    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
+        stage = kt % U(STAGES)
+        # Fill kt // STAGES of this stage needs the release of the fill before; in the first round
+        # parity 1 names the phase before phase 0, which counts as complete.
+        mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
+        mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
+        word = ring + stage * U(STAGE_WORDS)
+        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
+        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
+        if GATE_UP:  # the up rows after the gate rows
+            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
+                           stage)
+
+    return fill
+
+
+@functools.cache
 def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
     """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out): out[:m] (+)= X W^T with gemm_int4's
     epilogues, X and W (and up's W1) through their tensor maps (TensorMaps), s* the scale bits."""
@@ -96,25 +126,9 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
     ACCUMULATORS = WIDTH // 2
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
-    STAGE_BYTES = 4 * STAGE_WORDS  # what a stage's boxes bring, zero-filled rows included
     GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
     GATE_UP = matrices == 2
-    multiply, store = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue)
-
-    @cuda.jit(device=True, inline="always")
-    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
-        """k tile kt's boxes into stage kt % STAGES, once every thread has released its last fill."""
-        stage = kt % U(STAGES)
-        # Fill kt // STAGES of this stage needs the release of the fill before; in the first round
-        # parity 1 names the phase before phase 0, which counts as complete.
-        mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
-        mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
-        word = ring + stage * U(STAGE_WORDS)
-        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
-        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
-        if GATE_UP:  # the up rows after the gate rows
-            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
-                           stage)
+    multiply, store, fill = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue), stage_fill(tiles, matrices)
 
     @cuda.jit(device=True, inline="always")
     def step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high):
