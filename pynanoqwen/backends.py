@@ -76,8 +76,13 @@ class GpuEngine(Backend, Protocol):
     def probed_step(self, first_token: int, token: int) -> Probe:
         """What every launch of the decode step at position 1 wrote (after first_token at 0)."""
 
-    def probed_prefill(self, token_ids) -> Probe:
-        """What every launch of one prefill chunk of token_ids wrote."""
+    def probed_prefill(self, token_ids, rows: int | None = None) -> Probe:
+        """What every launch of one prefill chunk of token_ids wrote (in the bucket of `rows` rows)."""
+
+    def probe_buckets(self, probe_tokens: int, prompt_tokens: int | None = None) -> list[int]:
+        """The buckets whose GEMM kernels a self-check's chunk must run in to launch them all."""
+
+    rows_sum_alike: bool  # a prompt row's results have the same bits in every bucket
 
     def kernel_groups(self, context: int, method: str) -> list[tuple[str, Callable[[], None], int, int]]:
         """A decode step's launches by stage: (name, enqueue, launches, bytes) each."""

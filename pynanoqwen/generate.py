@@ -244,7 +244,7 @@ def run(options: GenerateOptions, on_text: Callable[[str], None],
                   f"{'the GPU engine' if device == 'cuda' else 'the CPU (numpy reference)'}; pass --model FILE "
                   "for another")
     if device == "cuda" and options.self_check:
-        on_status(require_self_check(backend, model_path))
+        on_status(require_self_check(backend, model_path, len(prompt_ids)))
     backend.prepare(len(prompt_ids), options.sampling)
     result = generate(backend, tokenizer, prompt_ids, options.sampling, options.max_new_tokens, on_text,
                       options.lookup)

@@ -12,8 +12,14 @@ right after it ran (backends.GpuEngine.probed_step, probed_prefill):
 - decode: a random token at position 0, then a second one at position 1, whose step is checked
   (position 1, so that RoPE rotates by a non-zero angle and attention weighs two keys);
 - prefill: PREFILL_TOKENS random tokens (fewer if the context is shorter) as one chunk (the
-  32-row bucket: a wgmma GEMM tile, as prefill uses for most prompts,
-  kernels/gemm_int4.default_tiles_for), then the first token.
+  32-row bucket: a wgmma GEMM tile, kernels/gemm_int4_tiles.default_tiles_for), then the first
+  token; then the same chunk in each bucket that launches GEMM kernels the ones before did not
+  (longer prompts run other tiles: the TMA-fed kernel from 512 rows at 7B), among the buckets the
+  prompt will use (`generate`) or all of them (`serve`, `validate`): GpuEngine.probe_buckets. Where
+  the model's linears sum a row alike at every bucket (gemm_int4_tiles.rows_sum_alike, which the
+  prefix cache relies on), every output of such a chunk must be bit for bit the float64-checked
+  chunk's; otherwise it is checked against float64 in full. Their kernels compile at the first
+  start (the kernel cache keeps them, kernel_cache.py).
 Each output is recomputed in float64 from the inputs the GPU gave that launch (its predecessor's
 captured output), so a failure names one kernel of one layer, and errors never compound:
 
@@ -64,6 +70,7 @@ PREFILL_TOKENS = 24
 class SelfCheckResult:
     checks: list[Check]
     seconds: float
+    buckets: tuple[int, ...] = ()  # the prefill buckets the chunk ran in, the float64-checked one first
 
     @property
     def failed(self) -> list[Check]:
@@ -73,29 +80,56 @@ class SelfCheckResult:
         if self.failed:
             first = "; ".join(f"{c.name}: {c.detail}" for c in self.failed[:3])
             return f"self-check FAILED ({len(self.failed)} of {len(self.checks)} kernel checks): {first}"
-        return (f"self-check passed: one decode step and one prefill chunk, {len(self.checks)} kernel outputs "
-                f"against float64 ({self.seconds:.2f} s)")
+        again = f", again in {', '.join(map(str, self.buckets[1:]))} rows" if len(self.buckets) > 1 else ""
+        return (f"self-check passed: one decode step and one prefill chunk{again}, {len(self.checks)} kernel "
+                f"checks against float64 or its bits ({self.seconds:.2f} s)")
 
 
-def run_self_check(backend, weights: WeightSource, rng: np.random.Generator | None = None) -> SelfCheckResult:
+def run_self_check(backend, weights: WeightSource, rng: np.random.Generator | None = None,
+                   prompt_tokens: int | None = None) -> SelfCheckResult:
     """Probe one decode step and one prefill chunk of `backend` (backends.GpuEngine) and check
-    them against `weights`, the weights it was loaded from."""
+    them against `weights`, the weights it was loaded from; then run the chunk again in every
+    bucket that launches other GEMM kernels (GpuEngine.probe_buckets: of those a prompt of
+    prompt_tokens uses, or of all buckets when None) and check that too."""
     start = time.perf_counter()
     rng = np.random.default_rng() if rng is None else rng
     vocab = weights.config.vocab_size
     first, token = (int(t) for t in rng.integers(0, vocab, 2))
     checks = check_probed_step(weights, backend.probed_step(first, token), token, backend.gemv, rng)
     prompt = [int(t) for t in rng.integers(0, vocab, min(PREFILL_TOKENS, backend.max_context))]
+    buckets = backend.probe_buckets(len(prompt), prompt_tokens)
+    probed = backend.probed_prefill(prompt, buckets[0])
     checks += [dataclasses.replace(c, name=f"prefill {c.name}")
-               for c in check_probed_prefill(weights, backend.probed_prefill(prompt), prompt, backend.gemv, rng)]
-    return SelfCheckResult(checks, time.perf_counter() - start)
+               for c in check_probed_prefill(weights, probed, prompt, backend.gemv, rng)]
+    for rows in buckets[1:]:
+        again = backend.probed_prefill(prompt, rows)
+        if backend.rows_sum_alike:
+            checks.append(same_bits_check(f"prefill in {rows} rows", again, probed, f"in {buckets[0]} rows"))
+        else:
+            checks += [dataclasses.replace(c, name=f"prefill in {rows} rows {c.name}")
+                       for c in check_probed_prefill(weights, again, prompt, backend.gemv, rng)]
+    return SelfCheckResult(checks, time.perf_counter() - start, tuple(buckets))
 
 
-def require_self_check(backend, model_path) -> str:
-    """Self-check a backend loaded from the .nanoqwen file model_path: its summary line, or a
-    NanoQwenError that says what failed and what to do."""
+def same_bits_check(name: str, captured: dict, expected: dict, expected_name: str) -> Check:
+    """Every output of a probed chunk bit for bit that of the same chunk probed in another bucket
+    (expected, already checked against float64): what a model whose linears sum a row alike at
+    every bucket promises (gemm_int4_tiles.rows_sum_alike), and what its prefix cache relies on."""
+    differ = [f"{'' if layer is None else f'layer {layer} '}{stage} {buffer}"
+              for (layer, stage), out in expected.items() for buffer, array in out.items()
+              if (layer, stage) not in captured or buffer not in captured[layer, stage]
+              or captured[layer, stage][buffer].tobytes() != array.tobytes()]
+    outputs = sum(len(out) for out in expected.values())
+    return passed(name, not differ, f"all {outputs} outputs bit for bit those {expected_name}" if not differ else
+                  f"{len(differ)} of {outputs} outputs differ from those {expected_name}, first: {differ[0]}")
+
+
+def require_self_check(backend, model_path, prompt_tokens: int | None = None) -> str:
+    """Self-check a backend loaded from the .nanoqwen file model_path (for a prompt of
+    prompt_tokens, or for every prompt: run_self_check): its summary line, or a NanoQwenError
+    that says what failed and what to do."""
     with NanoQwenFile(model_path, verify_data=False) as weights:
-        result = run_self_check(backend, weights)
+        result = run_self_check(backend, weights, prompt_tokens=prompt_tokens)
     if result.failed:
         raise NanoQwenError(f"{result.summary()}. The GPU engine does not compute this model as the reference "
                             f"does; `python -m pynanoqwen validate --model {model_path}` gives the full report, "

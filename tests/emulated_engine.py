@@ -161,15 +161,21 @@ class EmulatedEngine:
 
     gemv = "prmt"
     max_context = 64
+    rows_sum_alike = True
+    buckets = (32, 1024)  # as the 7B's first two of GpuEngine.probe_buckets: 1024 runs the TMA-fed tiles
 
-    def __init__(self, weights):
+    def __init__(self, weights, bucket_weights=None):
         self.weights = weights
+        self.bucket_weights = bucket_weights or {}  # rows -> the weights that bucket's (broken) kernels see
 
     def probed_step(self, first, token):
         return emulate_probed_step(self.weights, first, token)
 
-    def probed_prefill(self, token_ids):
-        return emulate_probed_prefill(self.weights, list(token_ids))
+    def probed_prefill(self, token_ids, rows=None):
+        return emulate_probed_prefill(self.bucket_weights.get(rows, self.weights), list(token_ids))
+
+    def probe_buckets(self, probe_tokens, prompt_tokens=None):
+        return list(self.buckets)
 
     def prepare(self, prompt_tokens, params):
         """The emulation compiles nothing."""

@@ -160,6 +160,56 @@ def test_require_self_check_passes_a_correct_engine_and_stops_a_broken_one(tiny_
         require_self_check(EmulatedEngine(broken), path)
 
 
+def test_a_bucket_whose_kernels_differ_is_named(tiny_file):
+    """The chunk again in a bucket of other GEMM tiles: where rows sum alike, any output that is
+    not the float64-checked bucket's bits fails, naming the bucket and the first output; where
+    they do not, that bucket is checked against float64 in full."""
+    from pynanoqwen.selfcheck import run_self_check
+
+    _, weights = tiny_file
+    result = run_self_check(EmulatedEngine(weights), weights)
+    assert result.buckets == (32, 1024) and not result.failed
+    assert "prefill in 1024 rows" in {c.name for c in result.checks}
+    assert "again in 1024 rows" in result.summary()
+    broken = {1024: negated_scales(weights, layer_prefix(1) + "mlp.up_proj.weight")}
+    result = run_self_check(EmulatedEngine(weights, broken), weights)
+    assert failures(result.checks) == ["prefill in 1024 rows"]
+    assert "first: layer 1 gate_up" in result.failed[0].detail
+    engine = EmulatedEngine(weights, broken)
+    engine.rows_sum_alike = False
+    result = run_self_check(engine, weights)
+    assert failures(result.checks)[0] == "prefill in 1024 rows layer 1 gate_up"
+    assert not [name for name in failures(result.checks) if not name.startswith("prefill in 1024 rows")]
+
+
+def test_the_probed_buckets_launch_every_gemm_kernel_of_every_bucket():
+    """covering_rows, which probe_buckets takes: the chosen buckets' (linear, tile, K chunks)
+    include every bucket's, and each chosen bucket adds one; at 7B the long-prompt tiles (TMA-fed
+    from 512 rows for gate_up, 1024 for qkv and o_proj) are among them."""
+    from pynanoqwen.config import PRESETS
+    from pynanoqwen.engine.memory import PREFILL_BUCKETS
+    from pynanoqwen.kernels.gemm_int4_tiles import TMA_T256, covering_rows, default_tiles_for, k_chunks
+
+    def kernels(linears, m):
+        return {(name, tiles, k_chunks(k, tiles, epilogue))
+                for name, n, k, epilogue in linears for tiles in [default_tiles_for(m, n, k, epilogue)]}
+
+    for preset in ("0.5b", "7b", "32b"):
+        linears = PRESETS[preset].engine_linears
+        ms = [m for m in PREFILL_BUCKETS if m >= 24]
+        chosen = covering_rows(linears, ms)
+        assert chosen == sorted(chosen) and chosen[0] == ms[0]
+        union = set().union(*(kernels(linears, m) for m in chosen))
+        assert all(kernels(linears, m) <= union for m in ms)
+        for i, m in enumerate(chosen[1:], 1):  # none is there for nothing
+            assert kernels(linears, m) - set().union(*(kernels(linears, c) for c in chosen[:i]))
+    linears = PRESETS["7b"].engine_linears
+    chosen = covering_rows(linears, [m for m in PREFILL_BUCKETS if m >= 24])
+    assert {name for m in chosen for name, tiles, _ in kernels(linears, m) if tiles == TMA_T256} == \
+        {"qkv", "o_proj", "gate_up"}
+    assert covering_rows(linears, [32, 64]) == [32]
+
+
 def test_generate_runs_the_self_check_on_the_gpu_only_unless_skipped(tiny_file, monkeypatch):
     """generate.run: device cuda -> self-check before the first token (its line on stderr), and a
     failing one stops it; --skip-selfcheck and device cpu do not run it."""

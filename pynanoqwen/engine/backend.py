@@ -146,6 +146,11 @@ class CudaBackend(EngineProbes):
         return forward_launches(PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows),
                                 method)
 
+    @property
+    def rows_sum_alike(self) -> bool:
+        """Whether a prompt row's results have the same bits in every bucket (gemm_int4_tiles.rows_sum_alike)."""
+        return bool(self.prefill_buckets) and rows_sum_alike(self.config.engine_linears, self.prefill_buckets)
+
     def _bucket(self, m: int) -> int:
         return next(bucket for bucket in self.prefill_buckets if bucket >= m)
 
@@ -304,8 +309,7 @@ class CudaBackend(EngineProbes):
         lease.written = lease.reusable = cached
         # max_new_tokens 0 still runs the prompt: llama.cpp's editors send n_predict 0 to fill the cache.
         self.prefill(n, method, first=cached)
-        alike = bool(self.prefill_buckets) and rows_sum_alike(self.config.engine_linears, self.prefill_buckets)
-        lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if alike else cached
+        lease.written, lease.reusable = n, n // PAGE_SIZE * PAGE_SIZE if self.rows_sum_alike else cached
         if max_new_tokens < 1:
             return
         # Closed early, the generator leaves enqueued steps running: the next request's work

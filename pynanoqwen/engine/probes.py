@@ -23,6 +23,7 @@ from numba import cuda
 
 from ..errors import NanoQwenError
 from ..kernels import PAGE_SIZE
+from ..kernels.gemm_int4_tiles import covering_rows
 from ..kernels.kv_layout import swizzle_rows
 from ..sampling import SamplingParams
 from .buffers import StepState
@@ -149,20 +150,35 @@ class EngineProbes:
         run_all(self.steps["prompt", True], self.stream)
         return self._probe(self.steps["argmax", False], positions=2)
 
-    def probed_prefill(self, token_ids) -> dict:
-        """Run token_ids (at most the longest bucket) as one prefill chunk, greedy, eagerly, and
-        copy what each launch wrote, as probed_step does; prefill rows cut to len(token_ids)."""
+    def probed_prefill(self, token_ids, rows: int | None = None) -> dict:
+        """Run token_ids (at most the longest bucket) as one prefill chunk, greedy, eagerly, in the
+        bucket of `rows` rows (default: the smallest that holds them), and copy what each launch
+        wrote, as probed_step does; prefill rows cut to len(token_ids)."""
         m = len(token_ids)
         longest = self.prefill_buckets[-1] if self.prefill_buckets else 0
         if not 1 <= m <= longest:
             raise NanoQwenError(f"a probed prefill chunk takes 1..{longest} tokens (engine built with prefill="
                                 f"{self.prefill_mode!r}), got {m}")
+        rows = self._bucket(m) if rows is None else rows
+        if rows not in self.prefill_buckets or rows < m:
+            raise ValueError(f"{m} tokens cannot run in a bucket of {rows} rows (buckets {self.prefill_buckets})")
         self.reset(token_ids, SamplingParams())
-        rows = self._bucket(m)
         self.buffers.chunk.copy_to_device(np.array([0, m], np.int32), stream=self.stream)
         views = self.buffers.prefill[rows]
         return self._probe(self.prefill_launches(rows, "argmax"), positions=m,
                            row_views=[getattr(views, field.name) for field in dataclasses.fields(views)], rows=m)
+
+    def probe_buckets(self, probe_tokens: int, prompt_tokens: int | None = None) -> list[int]:
+        """The buckets the self-check runs its chunk of probe_tokens in: the probe's own, then
+        those that launch GEMM kernels it does not (gemm_int4_tiles.covering_rows), among the
+        buckets a prompt of prompt_tokens runs its chunks in (None: every bucket, as serve
+        prepares them all). Buckets smaller than the probe are left out: up to 64 rows every
+        linear runs the tiles of the probe's bucket (default_tiles_for)."""
+        used = self.prefill_buckets if prompt_tokens is None else \
+            {self._bucket(m) for _, m, _ in self._chunks(prompt_tokens, "argmax")}
+        first = self._bucket(probe_tokens)
+        ms = {first} | {rows for rows in used if rows >= probe_tokens}
+        return [first] + [rows for rows in covering_rows(self.config.engine_linears, ms) if rows != first]
 
     def _probe(self, launches: list[Launch], positions: int, row_views=(), rows: int = 0) -> dict:
         """Run `launches` one by one, copying each one's writes to the host as it finishes."""
@@ -176,8 +192,8 @@ class EngineProbes:
                     out[name[0]] = self._gathered(array, positions)
                 else:
                     # Copies into pageable host memory return once done: the next kernel cannot overwrite them.
-                    host = array.copy_to_host(stream=s)
-                    out[name] = host[:rows] if any(array is view for view in row_views) else host
+                    cut = rows and any(array is view for view in row_views)  # a bucket's rows: only the chunk's
+                    out[name] = (array[:rows] if cut else array).copy_to_host(stream=s)
             captured[launch.layer, launch.stage] = out
         s.synchronize()
         return captured

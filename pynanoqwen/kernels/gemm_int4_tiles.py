@@ -128,6 +128,20 @@ def rows_sum_alike(linears, ms) -> bool:
                for _, n, k, epilogue in linears)
 
 
+def covering_rows(linears, ms) -> list[int]:
+    """Ms of `ms`, ascending, whose default tiles between them run every GEMM kernel (a linear's
+    tile and K chunks) that any M in ms runs: each M whose kernels include one not run by a
+    smaller M already chosen. The self-check probes a prefill chunk at each (selfcheck.py)."""
+    chosen, seen = [], set()
+    for m in sorted(ms):
+        kernels = {(name, tiles, k_chunks(k, tiles, epilogue))
+                   for name, n, k, epilogue in linears for tiles in [default_tiles_for(m, n, k, epilogue)]}
+        if kernels - seen:
+            chosen.append(m)
+            seen |= kernels
+    return chosen
+
+
 def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     """The tile for M activation rows of an N x K linear with this epilogue: the fastest wgmma
     tile of bench's GEMM table on the H200 at M = 64, 128, 512 and 2048 (docs/PERFORMANCE.md,
