@@ -32,17 +32,8 @@ same order, and `check` asks for the product's bits, not only float64's bound.
 
 Tensor maps, the copy and its simulator twin: ptx/tensor_copy.py.
 
-K chunks through memory (`in_memory`; not yet run on a GPU). down_proj sums its K in 4 fixed chunks
-so that a row has the same bits at every M (gemm_int4_tiles.k_chunks), and a 256-token tile has no
-registers for the running total (128 more a thread). Here the total lives in a workspace instead:
-after chunk 0 each thread stores its sums, after each middle chunk it adds its sums to what it
-stored, and after the last it adds the stored total to its sums: ((c0 + c1) + c2) + c3 in float32,
-the cp.async kernel's sequential order, so the 128-token tile's bits (the simulator test checks
-them against the cp.async kernel on the same tile shape). Each word is read back by the thread
-that wrote it, so nothing is shared; a warp's 32 words of one accumulator are contiguous. At
-2048 rows the workspace is 224 blocks x 128 KiB = 29 MB, within the L2, and a call moves ~170 MB
-through it (3 stores, 2 loads and a final load per word): predicted ~15-20 us against the ~146 us
-the one-chunk TMA tile saved on down_proj at 2048 rows (462.7 against the default's 609.7).
+K chunks with their running total in a workspace, down_proj's form at 256 tokens, went into the
+product (gemm_int4_tma.py, "K chunks").
 
 Measured on an H100 (docs/PERFORMANCE.md, "2026-12-06, midday"): the product's bits at every
 7B linear and tile. The 256-token tile with thread 0 producing (4 stages, lag 0) is the fastest
@@ -80,7 +71,7 @@ from harness import EPILOGUES_7B, LINEARS_7B, check_gemm, product_gemm, random_i
 from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.gemm_int4 import _weights
-from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, WG2_T256, default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, default_tiles_for, k_chunks
 from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, stage_fill, tma_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
     check_chunks, tile_epilogue, tile_multiply
@@ -99,21 +90,15 @@ U = np.uint32
 # --- The kernel ---------------------------------------------------------------------------------
 
 @functools.cache
-def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1, lane_lag: int | None = None,
-                    in_memory: bool = False):
-    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, workspace): out[:m] (+)= X W^T with
+def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int = 1, lane_lag: int | None = None):
+    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, totals): out[:m] (+)= X W^T with
     the product's epilogues, X and W through their tensor maps, K summed in `chunks` fixed chunks
-    (their running total in registers, or with in_memory in `workspace`: see "K chunks through
-    memory"); the stages filled by a producer warp, or with lane_lag by thread 0 between its own k
-    tiles."""
+    (their running total in registers); the stages filled by a producer warp, or with lane_lag by
+    thread 0 between its own k tiles. `totals`, the product's workspace argument, is not read."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
-    if in_memory:  # any tile: no total registers (not gate/up, whose epilogue pairs the two matrices' sums)
-        if epilogue == "gate_up_silu" or not 1 < chunks <= k // GROUP_SIZE:
-            raise ValueError(f"K={k} in {chunks} chunks through memory with the {epilogue} epilogue")
-    else:
-        check_chunks(k, tiles, epilogue, chunks)
-    CHUNKS, IN_MEMORY = chunks, in_memory
+    check_chunks(k, tiles, epilogue, chunks)
+    CHUNKS = chunks
     TOKENS, ROWS, STAGES = tiles.tokens, tiles.block_n, tiles.stages
     CONSUMERS = tiles.threads  # the warpgroups' threads; the producer warp follows them
     PRODUCER_WARP = CONSUMERS // 32
@@ -129,7 +114,6 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     if n % COLS or k % GROUP_SIZE:
         raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
     WIDTH = min(TOKENS, SHAPES_N[-1])
-    HALVES = TOKENS // WIDTH
     ACCUMULATORS = WIDTH // 2
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
@@ -160,25 +144,6 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
             mbarrier_arrive(empty, (kt - U(1)) % U(STAGES))
 
     @cuda.jit(device=True, inline="always")
-    def fold_into_workspace(workspace, acc, half, first, last):
-        """K chunks through memory: this thread's sums of one half of the tile. The first chunk's
-        are stored, each later one's added to what is stored (float32, chunk order), and at the
-        last chunk the total comes back into acc instead. Word (block, half, c, thread): a warp's
-        32 words of one accumulator are contiguous."""
-        block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
-        base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * CONSUMERS) + U(cuda.threadIdx.x)
-        for c in range(ACCUMULATORS):
-            at = base + U(c * CONSUMERS)
-            if first:
-                workspace[at] = acc[c]
-            elif last:
-                acc[c] = float32(workspace[at] + acc[c])
-            else:
-                workspace[at] = float32(workspace[at] + acc[c])
-            if not last:
-                acc[c] = float32(0)
-
-    @cuda.jit(device=True, inline="always")
     def half2_scale(s0, s1, feature, up, group):
         bits = U(s1[feature * U(GROUPS) + group]) if up else U(s0[feature * U(GROUPS) + group])
         return bits | (bits << U(16))
@@ -187,7 +152,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
     # K-chunked tiles more than 288 threads (the producer warp's 32 included) can have, and their
     # launches failed (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); .maxntid tells it the block.
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))  # the simulator takes no bounds
-    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out, workspace):
+    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out, totals):
         tile = cuda.shared.array(0, uint32)
         full = cuda.shared.array(STAGES, uint64)
         empty = cuda.shared.array(STAGES, uint64)
@@ -255,18 +220,13 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
                         a_even, acc, acc_high)
                 consume(maps, tile, ring, full, empty, kt + U(1), m0, n0, offset_a, offset_b, constants, scale_a,
                         scale_b, a_odd, acc, acc_high)
-            if CHUNKS > 1 and IN_MEMORY:
-                wgmma_wait_group(0)
-                fold_into_workspace(workspace, acc, 0, chunk == 0, chunk == CHUNKS - 1)
-                if HALVES == 2:
-                    fold_into_workspace(workspace, acc_high, 1, chunk == 0, chunk == CHUNKS - 1)
-            elif CHUNKS > 1:
+            if CHUNKS > 1:
                 wgmma_wait_group(0)
                 for c in range(ACCUMULATORS):
                     total[c] = acc[c] if chunk == 0 else total[c] + acc[c]
                     acc[c] = float32(0)
         wgmma_wait_group(0)
-        if CHUNKS == 1 or IN_MEMORY:
+        if CHUNKS == 1:
             for c in range(ACCUMULATORS):
                 total[c] = acc[c]
 
@@ -285,10 +245,10 @@ class TmaGemm:
     GateUpSiluGemm take it; its tensor maps as the product keeps them (gemm_int4_tma.TensorMaps)."""
 
     def __init__(self, n: int, k: int, weights, epilogue: str, tiles: WgmmaTile, chunks: int = 1, bias=None,
-                 lane_lag: int | None = None, in_memory: bool = False):
+                 lane_lag: int | None = None):
         self.n, self.tiles, self.threads = n, tiles, threads(tiles, lane_lag)
-        self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag, in_memory)
-        self.in_memory, self.workspaces = in_memory, {}  # M -> the chunk sums' workspace
+        self.kernel = tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag)
+        self.unread = cuda.device_array(1, np.float32)  # the product's totals argument
         self.cols = tiles.block_n // len(weights)
         flat = [_weights(n, k, q, s) for q, s in weights]
         self.qweights = [q for q, _ in flat]  # a tensor map holds the address, not the array: keep them alive
@@ -299,58 +259,43 @@ class TmaGemm:
     def launch(self, stream, x, out, m: int) -> None:
         """out[:m] (+)= x[:m] W^T with the kernel's epilogue (x float16 [>= m, K])."""
         grid = (-(-m // self.tiles.tokens), self.n // self.cols)
-        if m not in self.workspaces:  # a word per accumulator of every thread of every block, or none
-            words = grid[0] * grid[1] * self.tiles.tokens * self.tiles.block_n if self.in_memory else 1
-            self.workspaces[m] = cuda.device_array(words, np.float32)
         launch(self.kernel, grid, self.threads, stream,
                (self.maps.x(x, m), U(m), self.maps.weights[0], self.scales[0], self.maps.weights[-1], self.scales[-1],
-                self.bias, out.reshape(out.size), self.workspaces[m]), self.tiles.dynamic_shared_bytes,
-               dependent=False)
+                self.bias, out.reshape(out.size), self.unread), self.tiles.dynamic_shared_bytes, dependent=False)
 
 
-# What is timed, (tiles, lane_lag, K chunks in memory): a producer warp at the 128-token tile (9
-# warps: 168 registers a thread), and thread 0 producing (8 warps) at 128 and 256 tokens; with lag 1
-# the other warps may run a tile further behind thread 0 before it waits for them, at the price of
-# a stage. Thread 0 at 256 tokens and lag 0, the fastest, is the product's kernel (gemm_int4_tma.py,
-# the "product" column where it is the default tile); with K chunks in memory it is down_proj's
-# candidate (only where the product sums K in chunks: "K chunks through memory").
-TMA_TILES = {"warp 128x128": (WG2_T128, None, False), "lane 128x128 s4 lag0": (WG2_T128, 0, False),
-             "lane 128x128 s5 lag1": (WgmmaTile(2, 128, stages=5), 1, False),
-             "lane 128x256 s5 lag1": (WgmmaTile(2, 256, stages=5), 1, False),
-             "lane 128x256 s4 lag0, K chunks in memory": (WG2_T256, 0, True)}
+# What is timed, (tiles, lane_lag): a producer warp at the 128-token tile (9 warps: 168 registers a
+# thread), and thread 0 producing (8 warps) at 128 and 256 tokens; with lag 1 the other warps may
+# run a tile further behind thread 0 before it waits for them, at the price of a stage. Thread 0
+# at 256 tokens and lag 0, the fastest, is the product's kernel (gemm_int4_tma.py, the "product"
+# column where it is the default tile).
+TMA_TILES = {"warp 128x128": (WG2_T128, None), "lane 128x128 s4 lag0": (WG2_T128, 0),
+             "lane 128x128 s5 lag1": (WgmmaTile(2, 128, stages=5), 1),
+             "lane 128x256 s5 lag1": (WgmmaTile(2, 256, stages=5), 1)}
 CHECKED_ROWS = (7, 512)  # against float64: a partial token tile, and bench's short prompt
 BITS_ROWS = (512,)  # against the product's bits on the same tile: two or more token blocks at every tile
 
 
-def chunks_of(k: int, tiles: WgmmaTile, epilogue: str, in_memory: bool) -> int:
-    """The product's K chunks for this linear: on these tiles, or through memory those of its
-    128-token tile (the 256-token tiles sum in one chunk in registers)."""
-    return k_chunks(k, WG2_T128 if in_memory else tiles, epilogue)
-
-
-def tma_launcher(n: int, k: int, epilogue: str, tiles: WgmmaTile, lane_lag: int | None = None,
-                 in_memory: bool = False):
+def tma_launcher(n: int, k: int, epilogue: str, tiles: WgmmaTile, lane_lag: int | None = None):
     """launch(stream, weights, bias, x, out) for harness.check_gemm, K in the product's chunks."""
     def launch_one(stream, weights, bias, x, out):
-        TmaGemm(n, k, weights, epilogue, tiles, chunks_of(k, tiles, epilogue, in_memory), bias, lane_lag,
-                in_memory).launch(stream, x, out, x.shape[0])
+        TmaGemm(n, k, weights, epilogue, tiles, k_chunks(k, tiles, epilogue), bias, lane_lag).launch(
+            stream, x, out, x.shape[0])
     return launch_one
 
 
 def same_bits(name: str, label: str, form: tuple, m: int, rng):
-    """This kernel and the product's on the same tile (WG2_T128 for K chunks in memory), K chunks
-    and fresh operands: equal outputs."""
+    """This kernel and the product's on the same tile, K chunks and fresh operands: equal outputs."""
     n, k = LINEARS_7B[name]
     epilogue = EPILOGUES_7B[name]
-    tiles, lane_lag, in_memory = form
+    tiles, lane_lag = form
     weights = [tuple(cuda.to_device(a) for a in random_int4(rng, n, k))
                for _ in range(2 if epilogue == "gate_up_silu" else 1)]
     bias = cuda.to_device(rng.standard_normal(n).astype(np.float16)) if epilogue == "bias" else None
     x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
     start = rng.standard_normal((m, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
     outs = []
-    for launch_one in (product_gemm(n, k, epilogue, WG2_T128 if in_memory else tiles),
-                       tma_launcher(n, k, epilogue, tiles, lane_lag, in_memory)):
+    for launch_one in (product_gemm(n, k, epilogue, tiles), tma_launcher(n, k, epilogue, tiles, lane_lag)):
         out = cuda.to_device(start)
         launch_one(0, weights, bias, x, out)
         outs.append(out.copy_to_host())
@@ -360,12 +305,8 @@ def same_bits(name: str, label: str, form: tuple, m: int, rng):
                   f"{differ} of {start.size} outputs differ")
 
 
-def usable(form: tuple, n: int, k: int, epilogue: str) -> bool:
-    """Whether this form computes an N x K linear: its tile fits, and K chunks in memory only where
-    the product sums K in chunks."""
-    tiles, _, in_memory = form
-    return tiles.fits(n, k, 2 if epilogue == "gate_up_silu" else 1) \
-        and (not in_memory or chunks_of(k, tiles, epilogue, True) > 1)
+def fits(tiles: WgmmaTile, n: int, k: int, epilogue: str) -> bool:
+    return tiles.fits(n, k, 2 if epilogue == "gate_up_silu" else 1)
 
 
 def check(rng):
@@ -377,7 +318,7 @@ def check(rng):
                 results.append(check_gemm(f"{name} {TILE_NAMES[WG2_T128]} {'lane' if lane_lag else 'warp'} M={m}",
                                           tma_launcher(n, k, epilogue, WG2_T128, lane_lag), n, k, m, epilogue, rng))
         for label, form in TMA_TILES.items():
-            if usable(form, n, k, epilogue):
+            if fits(form[0], n, k, epilogue):
                 results += [same_bits(name, label, form, m, rng) for m in BITS_ROWS]
     return results
 
@@ -393,13 +334,12 @@ def timings() -> list[dict]:
             flops = 2 * m * n * k * matrices
             product = time_product_gemm(n, k, m, epilogue)
             row = {"linear": name, "M": m, f"product {TILE_NAMES[default_tiles_for(m, n, k, epilogue)]}": product}
-            for label, (tiles, lane_lag, in_memory) in TMA_TILES.items():
-                if not usable((tiles, lane_lag, in_memory), n, k, epilogue):
+            for label, (tiles, lane_lag) in TMA_TILES.items():
+                if not fits(tiles, n, k, epilogue):
                     continue
-                chunks = chunks_of(k, tiles, epilogue, in_memory)
 
-                def build(weights, tiles=tiles, chunks=chunks, lane_lag=lane_lag, in_memory=in_memory):
-                    gemm = TmaGemm(n, k, weights, epilogue, tiles, chunks, lane_lag=lane_lag, in_memory=in_memory)
+                def build(weights, tiles=tiles, lane_lag=lane_lag):
+                    gemm = TmaGemm(n, k, weights, epilogue, tiles, k_chunks(k, tiles, epilogue), lane_lag=lane_lag)
                     return lambda stream, x, out: gemm.launch(stream, x, out, m)
 
                 row[f"tma {label}"] = time_calls(build, n, k, m, out_dtype, matrices)
@@ -416,23 +356,15 @@ def compile_targets() -> list[CompileTarget]:
     feed = ("cp.async.bulk.tensor.2d", "wgmma.mma_async.sync.aligned", "mbarrier", "prmt.b32")
     for name, (n, k) in LINEARS_7B.items():
         epilogue = EPILOGUES_7B[name]
-        forms = [(WG2_T128, None, False), TMA_TILES["lane 128x256 s5 lag1"]]
-        if usable(TMA_TILES["lane 128x256 s4 lag0, K chunks in memory"], n, k, epilogue):
-            forms.append(TMA_TILES["lane 128x256 s4 lag0, K chunks in memory"])
-        for tiles, lane_lag, in_memory in forms:
-            chunks = chunks_of(k, tiles, epilogue, in_memory)
+        for tiles, lane_lag in [(WG2_T128, None), TMA_TILES["lane 128x256 s5 lag1"]]:
             producer = "lane" if lane_lag is not None else "warp"
-            label = {WG2_T128: "128x128"}.get(tiles, f"128x256_s{tiles.stages}") + ("_k_in_memory" if in_memory else "")
+            label = {WG2_T128: "128x128"}.get(tiles, f"128x256_s{tiles.stages}")
             targets.append(CompileTarget(f"gemm_tma_{producer}_{epilogue}_{label}[{name} {n}x{k}]",
-                                         tma_gemm_kernel(n, k, tiles, epilogue, chunks, lane_lag, in_memory),
-                                         dev_signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
+                                         tma_gemm_kernel(n, k, tiles, epilogue, k_chunks(k, tiles, epilogue),
+                                                         lane_lag),
+                                         tma_signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
                                          feed, cc=(9, 0, "a")))
     return targets
-
-
-def dev_signature(out=types.float32):
-    """The product's kernel signature (gemm_int4_tma.tma_signature) and the chunk sums' workspace."""
-    return types.void(*tma_signature(out).args, types.float32[::1])
 
 
 if __name__ == "__main__":

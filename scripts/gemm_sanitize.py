@@ -5,7 +5,7 @@ tensor-map copies (`cp.async.bulk.tensor.2d`) that complete on a stage's `full` 
 consumers' releases on its `empty` mbarrier before thread 0 refills the stage. The default case,
 300 rows of o_proj (its residual epilogue), has a last token tile of 44 real rows (the copies
 fill the rest with zeros) and 112 k tiles a block, so every one of the 4 stages is refilled 27
-times: the reuse racecheck needs. Exit status 0 when every output is within oracles.gemm_oracle's
+times: the reuse racecheck needs; `--linear down_proj` adds the K chunks' workspace. Exit status 0 when every output is within oracles.gemm_oracle's
 bound of float64, 1 when one is not.
 
     compute-sanitizer --tool memcheck  python scripts/gemm_sanitize.py
@@ -33,8 +33,8 @@ SHAPES = {name: (n, k) for name, n, k, _ in PRESETS["7b"].engine_linears}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--linear", choices=[name for name in SHAPES if name != "down_proj"], default="o_proj",
-                        help="the 7B linear (down_proj sums K in chunks, which the TMA kernel does not)")
+    parser.add_argument("--linear", choices=list(SHAPES), default="o_proj",
+                        help="the 7B linear (down_proj: K in 4 chunks, their totals in a workspace)")
     parser.add_argument("--rows", type=int, default=300, help="activation rows M")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -185,7 +185,7 @@ def test_a_bucket_whose_kernels_differ_is_named(tiny_file):
 def test_the_probed_buckets_launch_every_gemm_kernel_of_every_bucket():
     """covering_rows, which probe_buckets takes: the chosen buckets' (linear, tile, K chunks)
     include every bucket's, and each chosen bucket adds one; at 7B the long-prompt tiles (TMA-fed
-    from 512 rows for gate_up, 1024 for qkv and o_proj) are among them."""
+    from 512 rows for gate_up, 1024 for qkv, o_proj and down_proj) are among them."""
     from pynanoqwen.config import PRESETS
     from pynanoqwen.engine.memory import PREFILL_BUCKETS
     from pynanoqwen.kernels.gemm_int4_tiles import TMA_T256, covering_rows, default_tiles_for, k_chunks
@@ -206,7 +206,7 @@ def test_the_probed_buckets_launch_every_gemm_kernel_of_every_bucket():
     linears = PRESETS["7b"].engine_linears
     chosen = covering_rows(linears, [m for m in PREFILL_BUCKETS if m >= 24])
     assert {name for m in chosen for name, tiles, _ in kernels(linears, m) if tiles == TMA_T256} == \
-        {"qkv", "o_proj", "gate_up"}
+        {"qkv", "o_proj", "gate_up", "down_proj"}
     assert covering_rows(linears, [32, 64]) == [32]
 
 

@@ -116,8 +116,8 @@ def allocate(cfg: ModelConfig, max_context: int, buckets: tuple[int, ...], strea
                            mlp=_zeros((rows, cfg.intermediate_size), np.float16, stream))
         views = [getattr(full, field.name) for field in dataclasses.fields(full)]
         prefill = {bucket: PrefillRows(*(view[:bucket] for view in views)) for bucket in buckets}
-        shape = split_workspace_shape(cfg)
-        split = SplitWorkspace(*shape, K_CHUNKS, stream=stream) if shape else None
+        shape = split_workspace_shape(cfg, rows)
+        split = SplitWorkspace(*shape[:2], K_CHUNKS, stream=stream, total_rows=shape[2]) if shape else None
     cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, max_context)
     return Buffers(state, act, kv, cuda.to_device(cos, stream=stream), cuda.to_device(sin, stream=stream), prefill,
                    chunk=cuda.device_array(2, np.int32), host_tokens=cuda.pinned_array(2, np.int32),

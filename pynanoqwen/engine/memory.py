@@ -19,7 +19,8 @@ from ..kernels.attention_decode import default_num_splits
 from ..kernels.attention_prefill import split_records
 from ..kernels import PAGE_SIZE
 from ..kernels.gemm_int4 import SplitWorkspace
-from ..kernels.gemm_int4_tiles import K_CHUNKS, SHORT_PROMPT_ROWS, WG1_T64, k_chunks
+from ..kernels.gemm_int4_tiles import K_CHUNKS, SHORT_PROMPT_ROWS, TMA_T256, WG1_T64, default_tiles_for, k_chunks
+from ..kernels.gemm_int4_tma import TmaTile
 from ..kernels.sampling import Sampler
 from ..tensors import stored_tensors
 
@@ -45,12 +46,19 @@ def prefill_row_bytes(cfg: ModelConfig) -> int:
     return 6 * cfg.hidden_size + 4 * (cfg.q_size + 2 * cfg.kv_size) + 6 * cfg.q_size + 2 * cfg.intermediate_size
 
 
-def split_workspace_shape(cfg: ModelConfig) -> tuple[int, int] | None:
-    """(rows, N) of the prefill GEMMs' SplitWorkspace: the rows of the 64-token tiles (up to
-    SHORT_PROMPT_ROWS) by the widest linear that sums K in chunks there (down_proj at 7B); None
-    when no linear of this model does (gemm_int4_tiles.k_chunks)."""
-    widths = [n for _, n, k, epilogue in cfg.engine_linears if k_chunks(k, WG1_T64, epilogue) > 1]
-    return (SHORT_PROMPT_ROWS, max(widths)) if widths else None
+def split_workspace_shape(cfg: ModelConfig, longest: int) -> tuple[int, int, int] | None:
+    """(rows, N, total_rows) of the prefill GEMMs' SplitWorkspace for buckets of up to `longest`
+    rows: the rows of the 64-token tiles (up to SHORT_PROMPT_ROWS) by the widest linear that sums
+    K in chunks (down_proj at 7B), and the rows whose running totals the TMA kernel keeps there
+    (the longest bucket, in whole 256-token tiles) where such a linear runs on it; None when no
+    linear of this model sums K in chunks (gemm_int4_tiles.k_chunks)."""
+    chunked = [(n, k, epilogue) for _, n, k, epilogue in cfg.engine_linears if k_chunks(k, WG1_T64, epilogue) > 1]
+    if not chunked:
+        return None
+    on_tma = any(isinstance(tiles, TmaTile) and k_chunks(k, tiles, epilogue) > 1
+                 for n, k, epilogue in chunked for tiles in [default_tiles_for(longest, n, k, epilogue)])
+    total_rows = -(-longest // TMA_T256.tokens) * TMA_T256.tokens if on_tma else 0
+    return SHORT_PROMPT_ROWS, max(n for n, _, _ in chunked), total_rows
 
 
 def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_rows: int = PREFILL_BUCKETS[-1],
@@ -61,16 +69,16 @@ def device_bytes(cfg: ModelConfig, weight_bytes: int, max_context: int, prefill_
     pages = -(-max_context // PAGE_SIZE)
     splits = default_num_splits(cfg.num_kv_heads) if attention_splits is None else attention_splits
     split_attention = 4 * split_records(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, pages) if prefill_rows else 0
-    split_shape = split_workspace_shape(cfg) if prefill_rows else None
-    split_gemm = SplitWorkspace.nbytes(*split_shape, K_CHUNKS) if split_shape else 0
+    longest = prefill_buckets(max_context, prefill_rows)[-1] if prefill_rows else 0
+    split_shape = split_workspace_shape(cfg, longest) if prefill_rows else None
+    split_gemm = SplitWorkspace.nbytes(*split_shape[:2], K_CHUNKS, split_shape[2]) if split_shape else 0
     return {
         "weights": weight_bytes,
         "kv cache": 2 * cfg.num_layers * pages * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * 2,
         "rope tables": 2 * max_context * (cfg.head_dim // 2) * 4,
         "activations and state": (6 * cfg.hidden_size + 6 * cfg.q_size + 2 * cfg.intermediate_size
                                   + 4 * cfg.vocab_size + 4 * (max_context + 1) + 4 * pages + 64),
-        "prefill activations": (prefill_buckets(max_context, prefill_rows)[-1] * prefill_row_bytes(cfg) + 8
-                                if prefill_rows else 0),
+        "prefill activations": longest * prefill_row_bytes(cfg) + 8 if prefill_rows else 0,
         "workspaces": (Sampler.scratch_nbytes(cfg.vocab_size) + 4 * cfg.num_heads * splits * (cfg.head_dim + 2)
                        + 4 * cfg.num_kv_heads + split_attention + split_gemm),
         "reserve": RESERVED_BYTES,

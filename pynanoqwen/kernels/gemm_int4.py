@@ -130,9 +130,7 @@ def gemm_kernel(n: int, k: int, tiles, epilogue: str, chunks: int = 1):
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown epilogue {epilogue!r}; choose one of {EPILOGUES}")
     if isinstance(tiles, TmaTile):  # its operands differ: tensor maps of X and W (GemmTiling.launch)
-        if chunks != 1:
-            raise ValueError(f"the TMA kernel ({tiles}) sums K in one chunk, not {chunks}")
-        return tma_gemm_kernel(n, k, tiles, epilogue)
+        return tma_gemm_kernel(n, k, tiles, epilogue, chunks)
     if isinstance(tiles, WgmmaTile):
         return wgmma_gemm_kernel(n, k, tiles, epilogue, chunks)
     if chunks != 1:
@@ -325,7 +323,8 @@ class GemmTiling:
                 self.tensor_maps[tiles] = TensorMaps(self.n, self.k, tiles, [q0, q1][:self.matrices])
             maps = self.tensor_maps[tiles]
             launch(kernel, grid, tiles.threads, stream, (maps.x(x, m), U(m), maps.weights[0], s0, maps.weights[-1], s1,
-                                                         bias, out.reshape(out.size)),
+                                                         bias, out.reshape(out.size),
+                                                         maps.chunk_totals(grid, chunks, workspace)),
                    tiles.dynamic_shared_bytes, dependent=False)
             return
         # Too few blocks for the SMs: each takes one K chunk (the split form, same bits).
@@ -339,26 +338,32 @@ class GemmTiling:
 
 
 class SplitWorkspace:
-    """Device scratch for the wgmma kernel's split form (gemm_int4_wgmma.py, "K chunks"): the
-    chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a block tile, zero
-    between launches (the last block of a tile resets its own). Its owner passes it to every GEMM
-    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers, engine/buffers.py);
-    launches on one stream run one at a time, so they share it. Without one a GEMM runs its
-    sequential form, with the same bits."""
+    """Device scratch for summing K in chunks: the wgmma kernel's split form (gemm_int4_wgmma.py,
+    "K chunks"), the chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a
+    block tile, zero between launches (the last block of a tile resets its own); and the TMA
+    kernel's running totals (gemm_int4_tma.py, "K chunks") of up to `total_rows` rows, in the same
+    words. Its owner passes it to every GEMM launch of a stream (dev/gemm_k_chunks.py; the engine's
+    prefill buffers, engine/buffers.py); launches on one stream run one at a time, so they share
+    it. Without one a wgmma GEMM runs its sequential form, with the same bits, and a TMA GEMM
+    makes its own totals."""
 
-    def __init__(self, rows: int, n: int, chunks: int, stream=0):
+    def __init__(self, rows: int, n: int, chunks: int, stream=0, total_rows: int = 0):
         self.rows, self.n, self.chunks = rows, n, chunks
-        self.partials = cuda.device_array(chunks * rows * n, np.float32, stream=stream)
+        self.partials = cuda.device_array(self.words(rows, n, chunks, total_rows), np.float32, stream=stream)
         self.counters = cuda.to_device(np.zeros(self.counter_count(rows, n), np.uint32), stream=stream)
 
     @staticmethod
     def counter_count(rows: int, n: int) -> int:
         return max(1, rows // 16) * max(1, n // 64)
 
+    @staticmethod
+    def words(rows: int, n: int, chunks: int, total_rows: int = 0) -> int:
+        return max(chunks * rows, total_rows) * n
+
     @classmethod
-    def nbytes(cls, rows: int, n: int, chunks: int) -> int:
+    def nbytes(cls, rows: int, n: int, chunks: int, total_rows: int = 0) -> int:
         """Device bytes of a workspace of this size (engine/memory.py counts it before allocating)."""
-        return 4 * chunks * rows * n + 4 * cls.counter_count(rows, n)
+        return 4 * cls.words(rows, n, chunks, total_rows) + 4 * cls.counter_count(rows, n)
 
     def fits(self, grid: tuple[int, int], block_m: int, n: int, chunks: int) -> bool:
         return grid[0] * block_m <= self.rows and n <= self.n and chunks <= self.chunks \

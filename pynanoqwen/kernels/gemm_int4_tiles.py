@@ -15,7 +15,7 @@ import dataclasses
 from ..config import GROUP_SIZE
 from ..device import STATIC_SHARED_BYTES
 from .gemm_int4_tma import TMA_T256
-from .gemm_int4_wgmma import GemmTile, WgmmaTile
+from .gemm_int4_wgmma import GemmTile, WgmmaTile, check_chunks
 
 K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
 A_ROW_WORDS = K_TILE // 2  # half2 words of one activation row in a stage (64 bytes)
@@ -103,13 +103,17 @@ CHUNKED_K = 8192  # from this K on a linear sums in K_CHUNKS chunks
 
 def k_chunks(k: int, tiles, epilogue: str, wanted: int | None = None) -> int:
     """The chunks a linear's K is summed in on these tiles: `wanted` (None: the product's choice,
-    K_CHUNKS for a K of CHUNKED_K or more, else one) wherever the wgmma kernel can (not gate/up,
-    not a 256-token tile, at least `wanted` scale groups), else one. Fixed by the linear, not by
-    M, so every default tile of a linear sums a row alike (rows_sum_alike)."""
+    K_CHUNKS for a K of CHUNKED_K or more, else one) wherever the wgmma kernels can
+    (gemm_int4_wgmma.check_chunks: not gate/up, a 256-token tile only on TMA, at least `wanted`
+    scale groups), else one. Fixed by the linear, not by M, so every default tile of a linear sums
+    a row alike (rows_sum_alike)."""
     if wanted is None:
         wanted = K_CHUNKS if k >= CHUNKED_K else 1
-    if not isinstance(tiles, WgmmaTile) or not tiles.chunked or epilogue == "gate_up_silu" or tiles.tokens > 128 \
-            or k // GROUP_SIZE < wanted:
+    if not isinstance(tiles, WgmmaTile):
+        return 1
+    try:
+        check_chunks(k, tiles, epilogue, wanted)
+    except ValueError:
         return 1
     return wanted
 
@@ -150,8 +154,9 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     - qkv: WG1_T64 to SHORT_PROMPT_ROWS, WG1_T128 below LONG_PROMPT_ROWS, then TMA_T256 (H100,
       2026-12-06: 137.7 against WG1_T128's 154.9 us at 2048 rows, 43.3 against 42.5 at 512);
     - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, TMA_T256
-      from there where it sums K in the same chunks as WG2_T128 (a 256-token tile has no registers
-      for more than one: k_chunks; o_proj 118.6 against WG2_T256's 129.4 us at 2048 rows);
+      from there where it sums K in the same chunks as WG2_T128 (o_proj 118.6 against WG2_T256's
+      129.4 us at 2048 rows; down_proj's 4 chunks keep their totals in a workspace there,
+      gemm_int4_tma.py "K chunks", where the one-chunk tile took 462.7 us against WG2_T128's 609.7);
     - gate_up: WG1_T64 to 64 rows, WG1_T128 to SHORT_PROMPT_ROWS, WG2_T128 from there (2026-12-03:
       280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048),
       and TMA_T256 where tma_gate_up says (243.5 against 270.7 us at 512, 909.3 against 1095.5 at

@@ -27,9 +27,20 @@ No block barrier in the k loop, and no address arithmetic for copies in 255 of t
 Each k tile a lane does what the cp.async kernel's does, in the same order: unpack its two rows'
 pairs (unpack_fragments, the gate/up rows COLS rows apart in the stage), fence, the tile's wgmmas
 as one group, wait for the previous group; the same epilogue (tile_epilogue). So an output has the
-cp.async kernel's bits on any tile that sums K in one chunk: the engine's prefix cache needs a
-row's bits to be the same at every M (gemm_int4_tiles.rows_sum_alike), and this kernel serves
-only tiles of one chunk (TmaTile.chunked is False).
+cp.async kernel's bits on a tile of the same K chunks: the engine's prefix cache needs a row's
+bits to be the same at every M (gemm_int4_tiles.rows_sum_alike).
+
+K chunks. A long K (down_proj's 18944 at 7B) is summed in 4 fixed chunks at every M
+(gemm_int4_tiles.k_chunks), and the cp.async kernel keeps the running total in registers, 128
+more a thread, which a 256-token tile does not have. Here it lives in a workspace (`totals`, one
+float32 word per output of every block's tile, 29 MB for 2048 rows of down_proj): after chunk 0
+each thread stores its sums, after each middle chunk adds its sums to what it stored, and after
+the last adds the stored total to its sums, ((c0 + c1) + c2) + c3, the cp.async kernel's order
+and so its bits. Each word is read back only by the thread that wrote it. A call moves ~170 MB
+through the L2 for it at 2048 rows (3 stores and 3 loads a word): predicted ~15-20 us, against the
+~146 us the 256-token tile saved over the 128-token one at down_proj (462.7 against 609.7 us on
+an H100, one chunk). The launcher gets the workspace from its caller (the engine's
+gemm_int4.SplitWorkspace) or makes its own at the first launch of an M that needs more.
 
 Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),
 because a map holds the address and the row count: `TensorMaps` keeps them. Making one copies 128
@@ -62,8 +73,8 @@ from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_
     mbarrier_wait
 from ..ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d, tensor_map
 from ..ptx.wgmma import SHAPES_N, SWIZZLE_ATOM_BYTES, shared_byte_address, wgmma_wait_group
-from .gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, tile_epilogue, \
-    tile_multiply
+from .gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, check_chunks, \
+    tile_epilogue, tile_multiply
 from .int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, SELECT_BYTES_0_1, \
     SELECT_BYTES_2_3
 
@@ -73,9 +84,9 @@ U = np.uint32  # unsigned index arithmetic: no negative-index checks (see gemv_i
 @dataclasses.dataclass(frozen=True)
 class TmaTile(WgmmaTile):
     """A wgmma tile (64 WARPGROUPS weight rows x TOKENS tokens, STAGES k tiles) computed by this
-    module's kernel, which sums K in one chunk."""
+    module's kernel, which keeps K chunks' running totals in a workspace ("K chunks" above)."""
 
-    chunked = False
+    chunk_totals_in_registers = False
 
 
 TMA_T256 = TmaTile(2, 256)  # 128 weight rows x 256 tokens: the one the product uses (gemm_int4_tiles)
@@ -112,17 +123,22 @@ def stage_fill(tiles: WgmmaTile, matrices: int):
 
 
 @functools.cache
-def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
-    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out): out[:m] (+)= X W^T with gemm_int4's
-    epilogues, X and W (and up's W1) through their tensor maps (TensorMaps), s* the scale bits."""
+def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int = 1):
+    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, totals): out[:m] (+)= X W^T with
+    gemm_int4's epilogues, X and W (and up's W1) through their tensor maps (TensorMaps), s* the
+    scale bits, K summed in `chunks` fixed chunks whose running total lives in `totals` (float32,
+    totals_words(grid, tiles) of them; read by nothing in one chunk)."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
+    check_chunks(k, tiles, epilogue, chunks)
+    CHUNKS = chunks
     TOKENS, ROWS, STAGES, THREADS = tiles.tokens, tiles.block_n, tiles.stages, tiles.threads
     COLS = ROWS // matrices  # output columns per block
     if n % COLS or k % GROUP_SIZE:
         raise ValueError(f"N={n} must be a multiple of {COLS} and K={k} of {GROUP_SIZE}")
     AHEAD = STAGES - 2  # tiles in flight beyond the one computed (the stage of kt - 1 may still be read)
     WIDTH = min(TOKENS, SHAPES_N[-1])  # wgmma n: a 256-token tile issues two n128 wgmmas
+    HALVES = TOKENS // WIDTH
     ACCUMULATORS = WIDTH // 2
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
     STAGE_WORDS = X_STAGE_WORDS + ROWS * W_ROW_WORDS
@@ -149,10 +165,30 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
         bits = U(s1[feature * U(GROUPS) + group]) if up else U(s0[feature * U(GROUPS) + group])
         return bits | (bits << U(16))
 
+    @cuda.jit(device=True, inline="always")
+    def fold(totals, acc, half, first, last):
+        """The end of a K chunk, for one half of the tile's tokens: the first chunk's sums are
+        stored, each middle one's added to what is stored, and at the last the stored total is
+        added to acc instead: ((c0 + c1) + c2) + c3 in float32, the cp.async kernel's order. Word
+        (block, half, accumulator, thread): a warp's 32 words of one accumulator are contiguous,
+        and each is read back only by the thread that wrote it."""
+        block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
+        base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * THREADS) + U(cuda.threadIdx.x)
+        for c in range(ACCUMULATORS):
+            at = base + U(c * THREADS)
+            if first:
+                totals[at] = acc[c]
+            elif last:
+                acc[c] = float32(totals[at] + acc[c])
+            else:
+                totals[at] = float32(totals[at] + acc[c])
+            if not last:
+                acc[c] = float32(0)
+
     # .maxntid: ptxas may then give each of the 256 threads up to 255 registers (the 256-token tile
     # takes ~200). The simulator takes no launch bounds.
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
-    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out):
+    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out, totals):
         tile = cuda.shared.array(0, uint32)
         full = cuda.shared.array(STAGES, uint64)
         empty = cuda.shared.array(STAGES, uint64)
@@ -201,17 +237,23 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
             acc_high[c] = float32(0)
         next_a = half2_scale(s0, s1, n0 + col_a, False, U(0))
         next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, U(0))
-        for g_index in range(GROUPS):
-            group = U(g_index)
-            scale_a, scale_b = next_a, next_b
-            if group + U(1) < U(GROUPS):  # fetched a group ahead: the loads' latency hides behind it
-                next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
-                next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, group + U(1))
-            kt = group * U(TILES_PER_GROUP)
-            step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_even, acc,
-                 acc_high)
-            step(maps, tile, ring, full, empty, kt + U(1), m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_odd,
-                 acc, acc_high)
+        for chunk in range(CHUNKS):
+            for g_index in range(chunk * GROUPS // CHUNKS, (chunk + 1) * GROUPS // CHUNKS):
+                group = U(g_index)
+                scale_a, scale_b = next_a, next_b
+                if group + U(1) < U(GROUPS):  # fetched a group ahead: the loads' latency hides behind it
+                    next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
+                    next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, group + U(1))
+                kt = group * U(TILES_PER_GROUP)
+                step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_even,
+                     acc, acc_high)
+                step(maps, tile, ring, full, empty, kt + U(1), m0, n0, word_a, word_b, unpack, scale_a, scale_b,
+                     a_odd, acc, acc_high)
+            if CHUNKS > 1:  # the chunk's wgmmas done, its sums folded into the total
+                wgmma_wait_group(0)
+                fold(totals, acc, 0, chunk == 0, chunk == CHUNKS - 1)
+                if HALVES == 2:
+                    fold(totals, acc_high, 1, chunk == 0, chunk == CHUNKS - 1)
         wgmma_wait_group(0)
         store(out, bias_values, acc, acc_high, m, m0, n0, col_a, col_b, t)
 
@@ -221,14 +263,16 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str):
 class TensorMaps:
     """The tensor maps of one GEMM object's launches on a TmaTile: its weights' (W and, for gate/up,
     W1: boxes of W_ROW_WORDS words x COLS rows), made here, and X's, made at the first launch of
-    each (buffer, M) and kept. The maps hold addresses: the GEMM object keeps its weights alive, and
-    the caller each x it launches with (the engine's prefill buffers live as long as the engine)."""
+    each (buffer, M) and kept; and the K chunks' totals where the launch brings no workspace. The
+    maps hold addresses: the GEMM object keeps its weights alive, and the caller each x it
+    launches with (the engine's prefill buffers live as long as the engine)."""
 
     def __init__(self, n: int, k: int, tiles: TmaTile, weights: list):
         cols = tiles.block_n // len(weights)
         self.weights = [tensor_map(q.reshape(n, k // 8), W_ROW_WORDS, cols, False) for q in weights]
-        self.tokens = tiles.tokens
+        self.tiles, self.tokens = tiles, tiles.tokens
         self.x_maps: dict = {}
+        self.totals = cuda.device_array(1, np.float32)  # read by no kernel of one K chunk
 
     def x(self, x, m: int):
         """X's map for rows [0, m) of the float16 [rows, K] buffer x: swizzled 64 k x TOKENS boxes."""
@@ -237,25 +281,44 @@ class TensorMaps:
             self.x_maps[key] = tensor_map(x, K_TILE, self.tokens, True, rows=m)
         return self.x_maps[key]
 
+    def chunk_totals(self, grid: tuple[int, int], chunks: int, workspace=None):
+        """The float32 words a launch of this grid keeps its K chunks' running totals in
+        (totals_words): those of `workspace` (gemm_int4.SplitWorkspace) where it has enough, else
+        this object's own, made at the first launch that needs more, as X's maps are."""
+        words = totals_words(grid, self.tiles) if chunks > 1 else 1
+        if workspace is not None and workspace.partials.size >= words:
+            return workspace.partials
+        if self.totals.size < words:
+            self.totals = cuda.device_array(words, np.float32)
+        return self.totals
+
 
 def tma_signature(out=types.float32):
     """The Numba signature of tma_gemm_kernel's kernels, output float32 or float16."""
     maps, bits = types.uint64[::1], types.uint16[::1]
-    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1])
+    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1], types.float32[::1])
+
+
+def totals_words(grid: tuple[int, int], tiles: TmaTile) -> int:
+    """float32 words of the K chunks' running totals a launch of this grid needs: one per output
+    of every block's tile, padding tokens included."""
+    return grid[0] * grid[1] * tiles.tokens * tiles.block_n
 
 
 def compile_targets() -> list:
-    """The 7B linears on the tile prefill gives this kernel (gemm_int4_tiles.TMA_T256)."""
+    """The 7B linears on the tile prefill gives this kernel (gemm_int4_tiles.TMA_T256), down_proj in
+    its 4 K chunks."""
     from . import CompileTarget
 
     feed = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
             "fence.proxy.tensormap::generic.acquire.gpu", "mbarrier.try_wait.parity.shared::cta.b64",
             "mbarrier.arrive.shared::cta.b64", "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", "prmt.b32")
     targets = []
-    for name, n, k, epilogue, out in (("qkv", 4608, 3584, "bias", types.float32),
-                                      ("o_proj", 3584, 3584, "residual", types.float32),
-                                      ("gate_up", 18944, 3584, "gate_up_silu", types.float16)):
-        targets.append(CompileTarget(f"gemm_int4_tma_{epilogue}_128x256[{name} {n}x{k}]",
-                                     tma_gemm_kernel(n, k, TMA_T256, epilogue), tma_signature(out), feed,
+    for name, n, k, epilogue, out, chunks in (("qkv", 4608, 3584, "bias", types.float32, 1),
+                                              ("o_proj", 3584, 3584, "residual", types.float32, 1),
+                                              ("gate_up", 18944, 3584, "gate_up_silu", types.float16, 1),
+                                              ("down_proj", 3584, 18944, "residual", types.float32, 4)):
+        targets.append(CompileTarget(f"gemm_int4_tma_{epilogue}_128x256_k{chunks}[{name} {n}x{k}]",
+                                     tma_gemm_kernel(n, k, TMA_T256, epilogue, chunks), tma_signature(out), feed,
                                      cc=(9, 0, "a")))
     return targets

@@ -130,7 +130,9 @@ class WgmmaTile(GemmTile):
     warpgroups: int
     tokens: int
     stages: int = 4
-    chunked = True  # the kernel can sum K in chunks (the K chunks paragraph); gemm_int4_tma's cannot
+    # Where a K chunk's running total lives (the K chunks paragraph): registers, 128 more a thread,
+    # which a 256-token tile does not have; gemm_int4_tma's tiles keep it in a workspace.
+    chunk_totals_in_registers = True
 
     @property
     def block_m(self) -> int:  # activation rows per block (gemm_int4's launcher speaks in these)
@@ -161,13 +163,14 @@ class WgmmaTile(GemmTile):
 
 def check_chunks(k: int, tiles: WgmmaTile, epilogue: str, chunks: int) -> None:
     """Raise ValueError unless K splits into `chunks` chunks of whole scale groups that this tile
-    and epilogue can sum (the K chunks paragraph: not gate/up, not a 256-token tile, not the TMA
-    kernel's tiles)."""
+    and epilogue can sum (the K chunks paragraph: not gate/up, and a 256-token tile only where its
+    totals live in memory, as gemm_int4_tma's do)."""
     if not 1 <= chunks <= k // GROUP_SIZE:
         raise ValueError(f"K={k} cannot be summed in {chunks} chunks of whole {GROUP_SIZE}-wide groups")
-    if chunks > 1 and (epilogue == "gate_up_silu" or tiles.tokens > SHAPES_N[-1] or not tiles.chunked):
+    if chunks > 1 and (epilogue == "gate_up_silu"
+                       or tiles.tokens > SHAPES_N[-1] and tiles.chunk_totals_in_registers):
         raise ValueError(f"{tiles} with the {epilogue} epilogue sums K in one chunk (a chunk total would need "
-                         "registers it does not have, or the kernel has no chunks)")
+                         "registers it does not have)")
 
 
 def has_split_form(tiles, chunks: int) -> bool:

@@ -1,8 +1,7 @@
 """The wgmma INT4 GEMM fed by TMA boxes, thread 0 producing and mbarrier pairs: the product's
 (kernels/gemm_int4_tma.py, through gemm_int4's factories on a TmaTile) and dev/gemm_wgmma_tma.py's
 other forms (a producer warp of its own, thread 0 at lag 1, K in chunks with their running total
-in registers or in a workspace in memory), under the CUDA simulator,
-at tiny tiles, on fresh random inputs:
+in registers), under the CUDA simulator, at tiny tiles, on fresh random inputs:
 
 - exact operands (test_gemm_sim.py's: every product and partial sum exact in FP32), so the result
   must equal float64 numpy exactly, but for the epilogue's one rounding: a box copied to the wrong
@@ -43,13 +42,11 @@ CASES = [  # (epilogue, m, n, k, tiles, K chunks, lane_lag: None for dev's produ
     ("residual", 9, 64, 512, FOUR_STAGES, 2, 1),  # dev: thread 0 one tile further ahead
     ("gate_up_silu", 33, 64, 256, FOUR_STAGES, 1, 1),
 ]
-IN_MEMORY = -1  # lane_lag of a dev case whose K chunks' running total lives in memory (thread 0 at lag 0)
-CASES += [
-    ("residual", 70, 64, 512, ONE_WARPGROUP, 2, IN_MEMORY),  # 2 token blocks: each its own workspace words
-    ("plain", 20, 128, 640, TWO_WARPGROUPS, 3, IN_MEMORY),  # 3 chunks: stored, added to, read back
+CASES += [  # the product's K chunks, their running totals in a workspace (gemm_int4_tma.py, "K chunks")
+    ("residual", 70, 64, 512, ONE_WARPGROUP, 2, PRODUCT),  # 2 token blocks: each its own workspace words
+    ("plain", 20, 128, 640, TWO_WARPGROUPS, 3, PRODUCT),  # 3 chunks: stored, added to, read back
 ]
-IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-s{t.stages}-c{c}-"
-       + ('warp' if lag is None else 'in_memory' if lag == IN_MEMORY else f'lag{lag}')
+IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-s{t.stages}-c{c}-" + ('warp' if lag is None else f'lag{lag}')
        for e, m, n, k, t, c, lag in CASES]
 
 
@@ -73,9 +70,8 @@ def launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bia
                            x_device, out_device, m, bias)
         elif which == "tma":
             on_device = [tuple(cuda.to_device(a) for a in w) for w in weights]
-            in_memory = lane_lag == IN_MEMORY
             TmaGemm(n, k, on_device, epilogue, tiles, chunks, None if bias is None else cuda.to_device(bias),
-                    0 if in_memory else lane_lag, in_memory).launch(0, x_device, out_device, m)
+                    lane_lag).launch(0, x_device, out_device, m)
         else:
             product_launch(epilogue, n, k, tiles, chunks, weights, x_device, out_device, m, bias)
         result = out_device.copy_to_host()
