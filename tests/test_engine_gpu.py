@@ -543,13 +543,15 @@ def test_kv_cache_size_of_7b_at_32k_context():
 def test_the_prefill_workspaces_are_counted():
     """Prefill attention's split form keeps a lane's 68 floats for every (row block of 16 in 128 rows,
     KV head, 512-key segment, warp): 8 x 4 x 64 x 7 x 32 x 68 floats at 7B and 32768 positions. The
-    GEMMs' split form (down_proj's K in 4 chunks) keeps 4 chunk sums of 128 rows x 3584 outputs, and
-    an arrival counter for each of 8 x 56 block tiles (16 rows x 64 outputs each)."""
+    GEMMs sum down_proj's K in 4 chunks: the split form keeps 4 chunk sums of 128 rows x 3584
+    outputs, and the TMA kernel (from 1024 rows) a running total for each of the longest bucket's
+    2048 rows x 3584 outputs, in the same words, so the larger of the two; and an arrival counter
+    for each of 8 x 56 block tiles (16 rows x 64 outputs each)."""
     with_prefill = device_bytes(SEVEN_B, weight_bytes=0, max_context=32768, attention_splits=H200_SM_COUNT // 4)
     without = device_bytes(SEVEN_B, weight_bytes=0, max_context=32768, prefill_rows=0,
                            attention_splits=H200_SM_COUNT // 4)
     attention = 4 * 8 * 4 * 64 * 7 * 32 * 68
-    gemm = 4 * 4 * 128 * 3584 + 4 * 8 * 56
+    gemm = 4 * max(4 * 128, 2048) * 3584 + 4 * 8 * 56
     assert with_prefill["workspaces"] - without["workspaces"] == attention + gemm
 
 
