@@ -18,6 +18,11 @@ after it, about one DRAM round trip plus the block launch, ~1-2 us a boundary: ~
 each. The risk: the smaller-register or smaller-block plans are slower by themselves (o_proj at B3
 runs 224 blocks; down_proj at W8 B2 stages x twice as often per SM).
 
+Measured on an H100 (docs/PERFORMANCE.md, "2026-12-06, late night"): refuted. o_proj at B3 (79
+registers) makes gate_up fit and the step 17-27 us slower (1.743 against 1.726 ms at 512 tokens
+of context, 1.879 against 1.852 at 4096); down_proj in two 8-warp blocks took 116 registers, so
+it does not fit after all, and changed its bits (tokens differ at 512). Not in the product.
+
     python dev/gemv_residency.py [--contexts 512,4096] [--repeats 3] [--model 7b.nanoqwen]
 
 Builds the synthetic 7B engine once per variant (decode only, the prompt through decode steps),

@@ -39,7 +39,8 @@ the last adds the stored total to its sums, ((c0 + c1) + c2) + c3, the cp.async 
 and so its bits. Each word is read back only by the thread that wrote it. A call moves ~170 MB
 through the L2 for it at 2048 rows (3 stores and 3 loads a word): predicted ~15-20 us, against the
 ~146 us the 256-token tile saved over the 128-token one at down_proj (462.7 against 609.7 us on
-an H100, one chunk). The launcher gets the workspace from its caller (the engine's
+an H100, one chunk). Measured there: 516.0 against WG2_T128's 614.1 us, so the folds cost ~53 us
+(each chunk end also drains the wgmma pipe; docs/PERFORMANCE.md, "2026-12-06, late night"). The launcher gets the workspace from its caller (the engine's
 gemm_int4.SplitWorkspace) or makes its own at the first launch of an M that needs more.
 
 Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),

@@ -35,7 +35,7 @@ of qkv read, 14 KiB of q and 4 KiB of K/V written; at R = 2048, 74 MB per layer 
 TB/s, ~24 at the H100's 3.0). A block a (head, row), 64 threads each, was the first form: 73728
 blocks at R = 2048, and 89 us a layer on the H100, ~3.7x the bytes' time (docs/PERFORMANCE.md,
 "2026-12-06, night": the prefill breakdown), since each block moved only 1.5 KiB; a block a row
-moves 36 KiB. The arithmetic of each element is the same in both forms. The decode step no longer
+moves 36 KiB and took 33 us a layer there (1.4x the bytes' time, "2026-12-06, late night"). The arithmetic of each element is the same in both forms. The decode step no longer
 launches it: the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py);
 `launch` (one row) remains for validate's unit check of this kernel. Measured figures:
 docs/PERFORMANCE.md.
