@@ -555,6 +555,20 @@ def test_the_prefill_workspaces_are_counted():
     assert with_prefill["workspaces"] - without["workspaces"] == attention + gemm
 
 
+def test_the_self_check_probes_the_buckets_a_prompt_uses():
+    """probe_buckets (no GPU): the probe's own bucket, then those of the prompt's chunks (every
+    bucket for serve) that launch GEMM kernels it does not; an engine without batched prefill
+    leaves probed_prefill to say why no chunk runs."""
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.prefill_buckets, backend.config = prefill_buckets(32768), SEVEN_B
+    assert backend.probe_buckets(24) == [32, 128, 256, 512, 1024]
+    assert backend.probe_buckets(24, 24) == [32]
+    assert backend.probe_buckets(24, 600) == [32, 640]  # one chunk in 640 rows: the 128-token tiles
+    assert backend.probe_buckets(24, 5000) == [32, 1024]  # 2048 + 2048 + 904 (in 1024 rows): the TMA tiles
+    backend.prefill_buckets = ()
+    assert backend.probe_buckets(24) == [None]
+
+
 @pytest.mark.parametrize("first", [0, 16, 2032])
 @pytest.mark.parametrize("tokens", [1, 15, 16, 2047, 2048, 2049, 2064, 2065, 4096, 4100, 5000])
 def test_prompt_chunks_cover_the_prompt_and_only_the_last_samples(tokens, first):

@@ -174,6 +174,8 @@ class EngineProbes:
         buckets a prompt of prompt_tokens runs its chunks in (None: every bucket, as serve
         prepares them all). Buckets smaller than the probe are left out: up to 64 rows every
         linear runs the tiles of the probe's bucket (default_tiles_for)."""
+        if not self.prefill_buckets:
+            return [None]  # probed_prefill says why no chunk can run
         used = self.prefill_buckets if prompt_tokens is None else \
             {self._bucket(m) for _, m, _ in self._chunks(prompt_tokens, "argmax")}
         first = self._bucket(probe_tokens)
