@@ -16,7 +16,7 @@ from pynanoqwen.bench_kernels import random_int4  # noqa: F401 (the dev scripts 
 from pynanoqwen.config import PRESETS
 from pynanoqwen.gpu_timing import time_graph, weight_copies
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
-from pynanoqwen.oracles import U32, Check, bound_report, gemm_oracle, silu_product_oracle
+from pynanoqwen.oracles import Check, bound_report, gemm_epilogue_oracle
 from pynanoqwen.quant import dequantize_int4
 
 SEVEN_B = PRESETS["7b"]
@@ -171,13 +171,7 @@ def check_gemm(name: str, launch, n: int, k: int, m: int, epilogue: str, rng, ex
     launch(stream, [tuple(cuda.to_device(a) for a in w) for w in weights], None if bias is None else cuda.to_device(bias),
            cuda.to_device(x), out_device)
     stream.synchronize()
-    products = [gemm_oracle(*w, x) for w in weights]
-    if epilogue == "gate_up_silu":
-        expected, bound = silu_product_oracle(*products[0], *products[1])
-    else:
-        expected, bound = products[0]
-        expected = expected + (out if epilogue == "residual" else 0) + (0 if bias is None else bias)
-        bound = bound + U32 * np.abs(expected)
+    expected, bound = gemm_epilogue_oracle(weights, x, epilogue, out, bias)
     if extra_bound is not None:
         magnitude = np.abs(x.astype(np.float64)) @ np.abs(dequantize_int4(*weights[0], np.float64)).T
         bound = bound + extra_bound(magnitude, out)

@@ -163,6 +163,20 @@ def silu_product_oracle(g: np.ndarray, g_bound: np.ndarray, u: np.ndarray,
     return expected, bound
 
 
+def gemm_epilogue_oracle(weights, x: np.ndarray, epilogue: str, start: np.ndarray | None = None,
+                         bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(out, bound) of a whole INT4 GEMM call with one of gemm_int4's epilogues: weights one
+    (qweight, scales) per matrix (gate, then up for gate_up_silu), start the out it adds to
+    (residual), bias float16 [N] (bias). The epilogue's one float32 add (bias or residual) after
+    the GEMM: one u32 of the result more."""
+    products = [gemm_oracle(qweight, scales, x) for qweight, scales in weights]
+    if epilogue == "gate_up_silu":
+        return silu_product_oracle(*products[0], *products[1])
+    expected, bound = products[0]
+    expected = expected + (start if epilogue == "residual" else 0) + (0 if bias is None else bias)
+    return expected, bound + U32 * np.abs(expected)
+
+
 # ----------------------------------------------------------------------------------------------
 # Row kernels
 

@@ -25,7 +25,7 @@ from pynanoqwen.bench_kernels import random_int4
 from pynanoqwen.config import PRESETS
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
 from pynanoqwen.kernels.gemm_int4_tma import TMA_T256
-from pynanoqwen.oracles import U32, bound_report, gemm_oracle, silu_product_oracle
+from pynanoqwen.oracles import bound_report, gemm_epilogue_oracle
 
 EPILOGUES = {name: epilogue for name, _, _, epilogue in PRESETS["7b"].engine_linears}
 SHAPES = {name: (n, k) for name, n, k, _ in PRESETS["7b"].engine_linears}
@@ -59,13 +59,7 @@ def main() -> int:
     got = out.copy_to_host(stream=stream).astype(np.float64)
     stream.synchronize()
 
-    products = [gemm_oracle(*w, x) for w in weights]
-    if epilogue == "gate_up_silu":
-        expected, bound = silu_product_oracle(*products[0], *products[1])
-    else:
-        expected, bound = products[0]
-        expected = expected + start + (0 if bias is None else bias)
-        bound = bound + U32 * np.abs(expected)
+    expected, bound = gemm_epilogue_oracle(weights, x, epilogue, start, bias)
     check = bound_report(f"TMA GEMM {args.linear} {n}x{k}, {args.rows} rows", np.abs(got - expected), bound)
     print(f"{check.name}: {check.status} ({check.detail})")
     return 0 if check.status == "PASS" else 1
