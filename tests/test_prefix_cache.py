@@ -95,15 +95,32 @@ def test_only_reusable_pages_are_kept_and_overwritten_ones_are_forgotten():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=23), min_size=1, max_size=6))
 def test_a_lease_keys_every_prompt_as_if_it_came_alone(prompts):
-    """lease() takes the keys of the pages a prompt shares with the last leased one from that lease;
-    whatever came before, the keys are those of the prompt's own chain (ids 0..3 make prompts that
-    share prefixes of every length)."""
+    """lease() takes the keys of the pages a prompt shares with the last leased one from that lease
+    (or its commit) and hashes only as far as it looks; whatever came before, its keys are the first
+    of the prompt's own chain, and they cover every page it reuses (ids 0..3 make prompts that share
+    prefixes of every length)."""
     cache = PrefixCache(num_pages=64, page_size=P)
     for prompt in prompts:
         lease = cache.lease(prompt, len(prompt) + 1)
-        assert lease.keys == page_keys(prompt, len(prompt) // P, P)
+        assert len(lease.reused) <= len(lease.keys) <= len(prompt) // P
+        assert lease.keys == page_keys(prompt, len(lease.keys), P)
         lease.written = lease.reusable = len(prompt)
         cache.commit(lease, prompt)
+
+
+def test_a_cold_lease_hashes_one_page_and_its_commit_the_rest():
+    """The hashing of a prompt nothing matches waits for commit(), after the request: the lease
+    hashes the page it looked up; the commit gives the next lease of a longer prompt every key."""
+    cache = PrefixCache(num_pages=64, page_size=P)
+    prompt = list(range(5 * P + 1))
+    lease = cache.lease(prompt, len(prompt) + 1)
+    assert lease.reused == [] and lease.keys == page_keys(prompt, 1, P)
+    lease.written = lease.reusable = len(prompt)
+    cache.commit(lease, prompt)
+    longer = prompt + [7] * P
+    again = cache.lease(longer, len(longer))
+    assert len(again.reused) == 5 and again.keys[:5] == page_keys(prompt, 5, P)
+    assert again.keys == page_keys(longer, 6, P)  # the memo's five keys, then the page it looked at
 
 
 def test_the_same_prefix_computed_twice_keeps_one_page():

@@ -306,3 +306,23 @@ def test_a_job_submitted_to_an_idle_worker_has_started_when_submit_returns(monke
             scheduler.stop()
 
     asyncio.run(run())
+
+
+def test_a_bug_in_a_route_is_a_500_and_the_server_keeps_serving(capfd, monkeypatch):
+    """A generation POST bypasses Starlette's middleware (app.GenerationRoute); an exception in its
+    route must still be OpenAI's error JSON with a 500, the traceback must reach the log, and the
+    server must serve the next request."""
+    from pynanoqwen.server import protocol
+
+    def broken(body, model):
+        raise RuntimeError("a bug in the route")
+
+    monkeypatch.setitem(protocol.ENDPOINTS, "/infill", (protocol.INFILL, broken))
+    backend, model = scripted([])
+    backend.script = ids(model, "ok")
+    with serving(backend, model) as url, httpx.Client(base_url=url) as http:
+        for _ in range(2):
+            answer = http.post("/infill", json={"input_prefix": "x"})
+            assert answer.status_code == 500 and answer.json()["error"]["code"] == "internal_error"
+        assert complete(url, model).json()["choices"][0]["text"] == "ok"
+    assert "a bug in the route" in capfd.readouterr().err

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
+import sys
 import time
+import traceback
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -56,6 +57,11 @@ def error_response(err: ApiError) -> Response:
     # half a character ("\ud800"), which JSONResponse's UTF-8 cannot encode; an escape can hold it.
     return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
                     media_type="application/json")
+
+
+def server_error_response() -> Response:
+    return error_response(ApiError(500, "Internal server error; the server log has the traceback.",
+                                   code="internal_error"))
 
 
 async def read_json(request: Request):
@@ -120,11 +126,36 @@ class EventStream:
             self.job.first_sent.set()
 
 
-class Gate:
-    """ASGI middleware: the bearer-token check (401) and the request counter of /metrics."""
+class GenerationRoute:
+    """One generation endpoint as an ASGI app: `handle(request, parse)` gives its response, and an
+    ApiError or a bug becomes the error JSON that Starlette's handlers would give. Gate calls it for
+    a POST directly: from the Gate to the route's first line took 0.053-0.070 ms through Starlette's
+    middleware and router and takes 0.020-0.026 without them (2-core VM, medians of 150 cold
+    /infill requests with stamps in both places), on the way to the first token. Starlette's Route
+    keeps it for the 405 that other methods get."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, known_paths: tuple[str, ...]):
+    def __init__(self, handle, parse):
+        self.handle, self.parse = handle, parse
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            response = await self.handle(Request(scope, receive), self.parse)
+        except ApiError as err:
+            response = error_response(err)
+        except Exception:  # a bug: answer this request, keep serving, log it as uvicorn would
+            traceback.print_exc(file=sys.stderr)
+            response = server_error_response()
+        await response(scope, receive, send)
+
+
+class Gate:
+    """ASGI middleware: the bearer-token check (401), the request counter of /metrics, and the
+    generation POSTs handed to their GenerationRoute."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics, known_paths: tuple[str, ...],
+                 posts: dict[str, "GenerationRoute"]):
         self.app, self.api_key, self.metrics, self.known_paths = app, api_key, metrics, known_paths
+        self.posts = posts  # the generation endpoints, which a POST reaches without Starlette's router
 
     def _refusal(self, scope) -> ApiError | None:
         if not self.api_key or scope["path"] in PUBLIC_PATHS:
@@ -157,6 +188,8 @@ class Gate:
             refusal = self._refusal(scope)
             if refusal is not None:
                 await error_response(refusal)(scope, receive, counting_send)
+            elif scope["method"] == "POST" and path in self.posts:
+                await self.posts[path](scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
         finally:
@@ -251,13 +284,12 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
                                        code="not_found" if err.status_code == 404 else None, headers=err.headers))
 
     async def server_error(request: Request, err: Exception):
-        return error_response(ApiError(500, "Internal server error; the server log has the traceback.",
-                                       code="internal_error"))
+        return server_error_response()
 
     # Each endpoint's parser bound to its route: finding it by request.url.path built and parsed the
     # URL on every request (~35 us of the route's time on the 2-core VM, its caches cold).
-    routes = [Route(path, functools.partial(generation, parse=parse), methods=["POST"])
-              for path, (_, parse) in ENDPOINTS.items()]
+    posts = {path: GenerationRoute(generation, parse) for path, (_, parse) in ENDPOINTS.items()}
+    routes = [Route(path, route, methods=["POST"]) for path, route in posts.items()]
     routes += [Route(path, endpoint, methods=["GET"]) for path, endpoint in (
         ("/v1/models", models), ("/v1/models/{name:path}", one_model), ("/health", health), ("/metrics", prometheus),
         ("/openapi.json", openapi))]
@@ -274,4 +306,4 @@ def build_app(scheduler: Scheduler, model: ModelInfo, metrics: Metrics, api_key:
     # Starlette answers a path with a stray trailing slash with an empty-bodied 307 to the path
     # without it, which a client may not follow for a POST: a JSON 404 that names the path instead.
     app.router.redirect_slashes = False
-    return Gate(app, api_key, metrics, known)
+    return Gate(app, api_key, metrics, known, posts)
