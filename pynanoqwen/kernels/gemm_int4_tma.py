@@ -40,7 +40,9 @@ and so its bits. Each word is read back only by the thread that wrote it. A call
 through the L2 for it at 2048 rows (3 stores and 3 loads a word): predicted ~15-20 us, against the
 ~146 us the 256-token tile saved over the 128-token one at down_proj (462.7 against 609.7 us on
 an H100, one chunk). Measured there: 516.0 against WG2_T128's 614.1 us, so the folds cost ~53 us
-(each chunk end also drains the wgmma pipe; docs/PERFORMANCE.md, "2026-12-06, late night"). The launcher gets the workspace from its caller (the engine's
+(each chunk end also drains the wgmma pipe; docs/PERFORMANCE.md, "2026-12-06, late night"), when
+a middle fold still loaded, added and stored one word at a time; it now moves 16-byte quads and
+loads four before it stores (`fold`). The launcher gets the workspace from its caller (the engine's
 gemm_int4.SplitWorkspace) or makes its own at the first launch of an M that needs more.
 
 Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),
@@ -70,6 +72,7 @@ from numba import cuda, float32, types, uint32, uint64
 
 from ..config import GROUP_SIZE
 from ..ptx import SIMULATOR
+from ..ptx.loads import ld_global_cg_v4_f32, st_global_v4_f32
 from ..ptx.mbarrier import fence_barrier_init, mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_init, \
     mbarrier_wait
 from ..ptx.tensor_copy import acquire_tensor_map, tensor_copy_2d, tensor_map
@@ -123,6 +126,13 @@ def stage_fill(tiles: WgmmaTile, matrices: int):
     return fill
 
 
+@cuda.jit(device=True, inline="always")
+def quad_sums(totals, at, acc, c):
+    """totals[at .. at + 3] + acc[c .. c + 3] in float32, the four words in one 16-byte load."""
+    t0, t1, t2, t3 = ld_global_cg_v4_f32(totals, at)
+    return float32(t0 + acc[c]), float32(t1 + acc[c + 1]), float32(t2 + acc[c + 2]), float32(t3 + acc[c + 3])
+
+
 @functools.cache
 def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int = 1):
     """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, totals): out[:m] (+)= X W^T with
@@ -146,6 +156,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
     GROUPS, K_TILES = k // GROUP_SIZE, k // K_TILE
     GATE_UP = matrices == 2
     multiply, store, fill = tile_multiply(TOKENS), tile_epilogue(n, TOKENS, epilogue), stage_fill(tiles, matrices)
+    QUAD = 4 * THREADS  # words between a thread's consecutive quads of accumulators in `totals`
 
     @cuda.jit(device=True, inline="always")
     def step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high):
@@ -170,20 +181,31 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
     def fold(totals, acc, half, first, last):
         """The end of a K chunk, for one half of the tile's tokens: the first chunk's sums are
         stored, each middle one's added to what is stored, and at the last the stored total is
-        added to acc instead: ((c0 + c1) + c2) + c3 in float32, the cp.async kernel's order. Word
-        (block, half, accumulator, thread): a warp's 32 words of one accumulator are contiguous,
-        and each is read back only by the thread that wrote it."""
+        added to acc instead: ((c0 + c1) + c2) + c3 in float32, the cp.async kernel's order.
+        Accumulators c .. c + 3 of a thread are one 16-byte quad at word (block, half, c, thread)
+        x 4: a warp's 32 quads of them are 512 contiguous bytes, and each is read back only by the
+        thread that wrote it. A middle fold loads four quads before it stores their sums, so four
+        L2 round trips overlap (written a word at a time, load, add, store, it had up to one round
+        trip a word: 64 a half). The three cases are three loops, not one loop that branches a
+        quad: that form compiled to 255 registers and 280 bytes of spills (ptxas, sm_90a)."""
         block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
-        base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * THREADS) + U(cuda.threadIdx.x)
-        for c in range(ACCUMULATORS):
-            at = base + U(c * THREADS)
-            if first:
-                totals[at] = acc[c]
-            elif last:
-                acc[c] = float32(totals[at] + acc[c])
-            else:
-                totals[at] = float32(totals[at] + acc[c])
-            if not last:
+        base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * THREADS) + U(4) * U(cuda.threadIdx.x)
+        if first:
+            for c in range(0, ACCUMULATORS, 4):
+                st_global_v4_f32(totals, base + U(c * THREADS), acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+        elif last:
+            for c in range(0, ACCUMULATORS, 4):
+                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = quad_sums(totals, base + U(c * THREADS), acc, c)
+        else:
+            for c in range(0, ACCUMULATORS, 16):
+                at = base + U(c * THREADS)
+                sums = (quad_sums(totals, at, acc, c), quad_sums(totals, at + U(QUAD), acc, c + 4),
+                        quad_sums(totals, at + U(2 * QUAD), acc, c + 8),
+                        quad_sums(totals, at + U(3 * QUAD), acc, c + 12))
+                for q in range(4):
+                    st_global_v4_f32(totals, at + U(q * QUAD), sums[q][0], sums[q][1], sums[q][2], sums[q][3])
+        if not last:
+            for c in range(ACCUMULATORS):
                 acc[c] = float32(0)
 
     # .maxntid: ptxas may then give each of the 256 threads up to 255 registers (the 256-token tile

@@ -7,7 +7,8 @@ string, the way numba-cuda's own `cache_hints.py` is written; the docstring says
 which section of the PTX ISA it comes from. One module per instruction family:
 
     prmt.py   prmt.b32 byte permute                       (PTX ISA, Data Movement: prmt)
-    loads.py  ld.global.nc.v4.u32 16-byte read-only load, ld.global.cg (L2 only) (PTX ISA: ld)
+    loads.py  ld.global.nc.v4.u32 16-byte read-only load, ld.global.cg (L2 only), st.global.v4.f32
+              (PTX ISA: ld, st)
     dp4a.py   dp4a four-way byte dot products, signed and unsigned (PTX ISA, Integer Arithmetic: dp4a)
     bits.py   mov.b32 between float32 and integer registers (PTX ISA, Data Movement: mov)
     fma.py    fma.rn.f32, rounded once (PTX ISA, Floating Point: fma): numba's cuda.fma, whose

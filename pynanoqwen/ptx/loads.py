@@ -1,5 +1,6 @@
 """16-byte global loads: `ld.global.nc.v4.u32` through the read-only (non-coherent) data path, and
-`ld.global.cg.v4.f32` through L2 only (for what other blocks of the running kernel wrote).
+`ld.global.cg.v4.f32` through L2 only (for what other blocks of the running kernel wrote); and
+the 16-byte store `st.global.v4.f32`.
 
 PTX ISA, Data Movement and Conversion Instructions: ld.global.nc. One instruction moves four
 consecutive 32-bit words; a warp of 32 lanes reading consecutive 16-byte chunks moves 512 bytes
@@ -102,3 +103,29 @@ def ld_global_cg_f32(typingctx, array, index):
     if not _is_vector(array, types.float32, index):
         return None
     return types.float32(array, index), _load("ld.global.cg.f32", "f", ir.FloatType(), 1, True)
+
+
+def st_global_v4_f32_simulated(array, index, a, b, c, d):
+    index = _aligned("st_global_v4_f32", index)
+    array[index], array[index + 1], array[index + 2], array[index + 3] = a, b, c, d
+
+
+@simulator_twin(st_global_v4_f32_simulated)
+@intrinsic
+def st_global_v4_f32(typingctx, array, index, a, b, c, d):
+    """array[index .. index + 3] = a, b, c, d for a 1-D float32 array, one 16-byte store:
+    `st.global.v4.f32 [address], {a, b, c, d}`. `index` must be a multiple of 4. Marked as having
+    side effects (a memory clobber), so loads written after it stay after it and loads written
+    before it stay before it: a caller can put several loads in flight before their stores."""
+    if not _is_vector(array, types.float32, index) or not all(isinstance(v, types.Float) for v in (a, b, c, d)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        address = _element_address(context, builder, types.float32(*sig.args[:2]), args[:2])
+        values = [context.cast(builder, v, t, types.float32) for v, t in zip(args[2:], sig.args[2:])]
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [address.type] + [ir.FloatType()] * 4),
+                                  "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                                  side_effect=True), [address] + values)
+        return context.get_dummy_value()
+
+    return types.void(array, index, a, b, c, d), codegen
