@@ -12,10 +12,15 @@ stream `h` and writes the FP16 activation the next matrix product reads (docs/DE
 
 Launch: one block per row. Decode uses one block of min(1024, hidden) threads (one row: all the
 latency hiding must come from that block); prefill uses 256 threads a row (many rows: several
-blocks per SM beat one large block per row). Thread t owns elements t, t + threads, ... . Each
-thread sums its squares in float32, `warp_sum` folds each warp, the warp totals meet in shared
-memory, then every warp folds those totals itself, so all threads learn the sum after a single
-`syncthreads`; then each thread scales and writes its elements. Traffic: rows x hidden x
+blocks per SM beat one large block per row). Thread t owns elements t, t + threads, ... (14 at
+7B in prefill), and holds them in registers: it loads its weights before the grid-dependency wait
+(no kernel writes them) and all its elements of h at once after it, so a row costs one round trip
+to memory for h. Before, a loop loaded and summed (its PTX: 15 loads for a thread's 28 elements
+of h and weight, so several round trips) and then read h again to scale it: 10.7 us a launch at
+512 rows on an H100, ~1 TB/s, where the bytes take ~5 us at the copy rate (docs/PERFORMANCE.md). Each
+thread sums its squares in float32, in element order, `warp_sum` folds each warp, the warp totals
+meet in shared memory, then every warp folds those totals itself, so all threads learn the sum
+after a single `syncthreads`; then each thread scales and writes its elements. Traffic: rows x hidden x
 (4 + 2 + 2) bytes: 28 KiB per row at hidden 3584, so decode's launch is latency, not bandwidth
 (its time per launch inside a graph: docs/PERFORMANCE.md). The float32
 sum of squares is accurate to ~1e-6 relative at these sizes, well under the FP16 output rounding.
@@ -44,18 +49,27 @@ def _rmsnorm_kernel(hidden_size: int, eps: float, threads: int):
     warps = threads // 32
     inv_n = np.float32(1.0 / hidden_size)
     eps32 = np.float32(eps)
+    ITEMS = -(-hidden_size // threads)  # elements a thread owns
+    WHOLE = hidden_size % threads == 0  # every thread owns ITEMS of them
 
     @cuda.jit
     def rmsnorm(h, weight, xn):
         launch_dependents()
-        grid_dependency_wait()  # inputs come from the previous kernel (launch.py)
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        # The weight is no kernel's output: its loads go out before the wait.
+        w = cuda.local.array(ITEMS, float32)
+        for j in range(ITEMS):
+            if WHOLE or tid + j * threads < hidden_size:
+                w[j] = float32(weight[tid + j * threads])
+        grid_dependency_wait()  # h comes from the previous kernel (launch.py)
+        x = cuda.local.array(ITEMS, float32)
+        for j in range(ITEMS):  # every load in flight at once: one round trip, not one an element
+            x[j] = h[row, tid + j * threads] if WHOLE or tid + j * threads < hidden_size else float32(0.0)
         warp_totals = cuda.shared.array(32, float32)
         total = float32(0.0)
-        for i in range(tid, hidden_size, threads):
-            x = h[row, i]
-            total += x * x
+        for j in range(ITEMS):
+            total += x[j] * x[j]
         total = warp_sum(total)
         if tid % 32 == 0:
             warp_totals[tid // 32] = total
@@ -64,8 +78,9 @@ def _rmsnorm_kernel(hidden_size: int, eps: float, threads: int):
         total = warp_totals[lane] if lane < warps else float32(0.0)
         total = warp_sum(total)
         scale = float32(1.0) / math.sqrt(total * inv_n + eps32)
-        for i in range(tid, hidden_size, threads):
-            xn[row, i] = h[row, i] * scale * float32(weight[i])
+        for j in range(ITEMS):
+            if WHOLE or tid + j * threads < hidden_size:
+                xn[row, tid + j * threads] = x[j] * scale * w[j]
 
     return rmsnorm
 

@@ -14,7 +14,7 @@ from numba import cuda
 
 from pynanoqwen.kernels.embedding import make_embedding
 from pynanoqwen.kernels.page_alloc import PAGE_SIZE, make_page_alloc
-from pynanoqwen.kernels.rmsnorm import make_rmsnorm
+from pynanoqwen.kernels.rmsnorm import make_rmsnorm, make_rmsnorm_rows
 from pynanoqwen.kernels.sampling import Sampler, device_params, uniform_reference
 from pynanoqwen.sampling import SamplingParams
 from simulated import FP16_HALF_ULP, FP32_EPS, run
@@ -35,16 +35,20 @@ def test_embedding_copies_the_row_of_the_token_at_pos():
     np.testing.assert_array_equal(h.copy_to_host(), table[tokens[position]].astype(np.float32))
 
 
-@pytest.mark.parametrize("hidden", [200, 1100])  # fewer threads than elements, and more than 1024
-def test_rmsnorm_matches_float64(hidden):
+@pytest.mark.parametrize("rows, hidden", [(1, 200), (1, 1100), (3, 512), (2, 300)])
+def test_rmsnorm_matches_float64(rows, hidden):
+    """One row on the decode block (fewer threads than elements, and more than 1024), several rows
+    on the prefill one (elements a whole number of blocks of threads, and not)."""
     rng = np.random.default_rng()
-    h = (rng.standard_normal(hidden) * rng.uniform(0.1, 10)).astype(np.float32)
+    h = (rng.standard_normal((rows, hidden)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
     weight = rng.uniform(0.5, 1.5, hidden).astype(np.float16)
     eps = 1e-6
-    xn = cuda.to_device(np.zeros(hidden, np.float16))
-    run(lambda s: make_rmsnorm(hidden, eps).launch(s, cuda.to_device(h), cuda.to_device(weight), xn))
+    xn = cuda.to_device(np.zeros((rows, hidden), np.float16))
+    norm = make_rmsnorm(hidden, eps) if rows == 1 else make_rmsnorm_rows(hidden, eps)
+    run(lambda s: norm.launch(s, cuda.to_device(h[0] if rows == 1 else h), cuda.to_device(weight),
+                              xn[0] if rows == 1 else xn))
     h64 = h.astype(np.float64)
-    expected = h64 / np.sqrt(np.mean(h64 * h64) + eps) * weight.astype(np.float64)
+    expected = h64 / np.sqrt(np.mean(h64 * h64, axis=1, keepdims=True) + eps) * weight.astype(np.float64)
     got = xn.copy_to_host().astype(np.float64)
     # One FP16 rounding of the output, plus float32 arithmetic (sum of squares, rsqrt, products).
     np.testing.assert_array_less(np.abs(got - expected), (FP16_HALF_ULP + 64 * FP32_EPS) * np.abs(expected) + 2.0**-25)
