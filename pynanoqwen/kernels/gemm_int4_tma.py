@@ -42,7 +42,8 @@ through the L2 for it at 2048 rows (3 stores and 3 loads a word): predicted ~15-
 an H100, one chunk). Measured there: 516.0 against WG2_T128's 614.1 us, so the folds cost ~53 us
 (each chunk end also drains the wgmma pipe; docs/PERFORMANCE.md, "2026-12-06, late night"), when
 a middle fold still loaded, added and stored one word at a time; it now moves 16-byte quads and
-loads four before it stores (`fold`). The launcher gets the workspace from its caller (the engine's
+loads four before it stores (`fold`), which took 509.1 us: the word-at-a-time folds were not the
+cost (docs/PERFORMANCE.md, "2026-12-06, night"). The launcher gets the workspace from its caller (the engine's
 gemm_int4.SplitWorkspace) or makes its own at the first launch of an M that needs more.
 
 Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),

@@ -17,7 +17,8 @@ blocks per SM beat one large block per row). Thread t owns elements t, t + threa
 (no kernel writes them) and all its elements of h at once after it, so a row costs one round trip
 to memory for h. Before, a loop loaded and summed (its PTX: 15 loads for a thread's 28 elements
 of h and weight, so several round trips) and then read h again to scale it: 10.7 us a launch at
-512 rows on an H100, ~1 TB/s, where the bytes take ~5 us at the copy rate (docs/PERFORMANCE.md). Each
+512 rows on an H100, ~1 TB/s, where the bytes take ~5 us at the copy rate; now 3.6 us, the copy
+rate (docs/PERFORMANCE.md, "2026-12-06, night"). Each
 thread sums its squares in float32, in element order, `warp_sum` folds each warp, the warp totals
 meet in shared memory, then every warp folds those totals itself, so all threads learn the sum
 after a single `syncthreads`; then each thread scales and writes its elements. Traffic: rows x hidden x
