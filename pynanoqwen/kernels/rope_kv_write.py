@@ -35,7 +35,10 @@ of qkv read, 14 KiB of q and 4 KiB of K/V written; at R = 2048, 74 MB per layer 
 TB/s, ~24 at the H100's 3.0). A block a (head, row), 64 threads each, was the first form: 73728
 blocks at R = 2048, and 89 us a layer on the H100, ~3.7x the bytes' time (docs/PERFORMANCE.md,
 "2026-12-06, night": the prefill breakdown), since each block moved only 1.5 KiB; a block a row
-moves 36 KiB and took 33 us a layer there (1.4x the bytes' time, "2026-12-06, late night"). The arithmetic of each element is the same in both forms. The decode step no longer
+moves 36 KiB and took 33 us a layer there (1.4x the bytes' time, "2026-12-06, late night"). Its
+9 passes at 7B ran as a loop whose loads waited for the stores before them (they could alias, as
+far as the compiler knew): now every pass's pair is loaded first, in one round trip. The arithmetic
+of each element is the same in every form. The decode step no longer
 launches it: the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py);
 `launch` (one row) remains for validate's unit check of this kernel. Measured figures:
 docs/PERFORMANCE.md.
@@ -46,7 +49,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda
+from numba import cuda, float32
 from numba.core import types
 
 from ..errors import ConfigError
@@ -74,8 +77,6 @@ THREADS = 256  # a block: one row, 4 heads at a time at head_dim 128
 @functools.cache
 def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
     half = head_dim // 2
-    k_start = num_heads * head_dim
-    v_start = k_start + num_kv_heads * head_dim
     groups = THREADS // half  # heads rotated at once
     passes = -(-(num_heads + 2 * num_kv_heads) // groups)
 
@@ -93,24 +94,30 @@ def _rope_kv_write_kernel(num_heads: int, num_kv_heads: int, head_dim: int):
         s = rope_sin[p, i]
         page = page_table[p // PAGE_SIZE]
         slot = p % PAGE_SIZE
+        # Every pass's pair is loaded before the first store: the stores (to q and the pages) could
+        # alias qkv as far as the compiler knows, so loads written between them wait for them, one
+        # round trip a pass. q, k and v heads lie one after another in a row: head h at h * head_dim.
+        x1s = cuda.local.array(passes, float32)
+        x2s = cuda.local.array(passes, float32)
         for step in range(passes):
             head = step * groups + group
+            if head < num_heads + 2 * num_kv_heads:
+                x1s[step] = qkv[row, head * head_dim + i]
+                x2s[step] = qkv[row, head * head_dim + half + i]
+        for step in range(passes):
+            head = step * groups + group
+            x1, x2 = x1s[step], x2s[step]
             if head < num_heads:
-                x1 = qkv[row, head * head_dim + i]
-                x2 = qkv[row, head * head_dim + half + i]
                 q[row, head, i] = x1 * c - x2 * s
                 q[row, head, half + i] = x2 * c + x1 * s
             elif head < num_heads + num_kv_heads:
                 kv_head = head - num_heads
-                x1 = qkv[row, k_start + kv_head * head_dim + i]
-                x2 = qkv[row, k_start + kv_head * head_dim + half + i]
                 k_pages[page, kv_head, slot, stored_dim(slot, i)] = x1 * c - x2 * s
                 k_pages[page, kv_head, slot, stored_dim(slot, half + i)] = x2 * c + x1 * s
             elif head < num_heads + 2 * num_kv_heads:
                 kv_head = head - num_heads - num_kv_heads
-                v = v_start + kv_head * head_dim
-                v_pages[page, kv_head, slot, stored_dim(slot, i)] = qkv[row, v + i]
-                v_pages[page, kv_head, slot, stored_dim(slot, half + i)] = qkv[row, v + half + i]
+                v_pages[page, kv_head, slot, stored_dim(slot, i)] = x1
+                v_pages[page, kv_head, slot, stored_dim(slot, half + i)] = x2
 
     return rope_kv_write
 

@@ -4,6 +4,7 @@ nothing) and the decode step's one token (launch, the one-row case), against one
 """
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from pynanoqwen.kernels.kv_layout import swizzle_rows
@@ -21,9 +22,12 @@ def rope64(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], -1)
 
 
-def test_a_chunk_is_rotated_and_written_at_its_positions_only():
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (10, 2, 128)])
+def test_a_chunk_is_rotated_and_written_at_its_positions_only(heads, kv_heads, head_dim):
+    """One pass of the block's head groups (8 heads of 64 dims in 256 threads), and four, the last
+    partial (14 heads of 128 dims, 4 at a time), as the 7B shape takes 9."""
     rng = np.random.default_rng()
-    heads, kv_heads, head_dim, max_context, theta = 4, 2, 64, 96, 10000.0
+    max_context, theta = 96, 10000.0
     half, pages, rows = head_dim // 2, max_context // PAGE_SIZE, 24
     start, m = int(rng.integers(0, 40)), int(rng.integers(1, rows))  # m < R: padding rows exist
     qkv = rng.standard_normal((rows, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
