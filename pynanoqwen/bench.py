@@ -235,7 +235,7 @@ def run_bench(settings: BenchSettings, progress=print) -> dict:
         chunks = [rows for rows in PREFILL_KERNEL_ROWS if rows in backend.prefill_buckets]
         if chunks:
             progress(f"per-kernel breakdown of one prefill chunk of {' and '.join(map(str, chunks))} rows")
-            try:  # new on 2026-12-06 and not yet run on a GPU: a failure costs this table, not the run
+            try:  # a failure costs this table, not the run
                 result["prefill_kernels"] = [{"rows": rows, "kernels": prefill_kernel_breakdown(backend, rows)}
                                              for rows in chunks]
             except Exception as failure:
