@@ -186,9 +186,10 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
         Accumulators c .. c + 3 of a thread are one 16-byte quad at word (block, half, c, thread)
         x 4: a warp's 32 quads of them are 512 contiguous bytes, and each is read back only by the
         thread that wrote it. A middle fold loads four quads before it stores their sums, so four
-        L2 round trips overlap (written a word at a time, load, add, store, it had up to one round
-        trip a word: 64 a half). The three cases are three loops, not one loop that branches a
-        quad: that form compiled to 255 registers and 280 bytes of spills (ptxas, sm_90a)."""
+        L2 round trips overlap; written a word at a time (load, add, store) the folds cost only
+        ~5-7 us a call more at 2048 rows (docs/PERFORMANCE.md). The three cases are three loops,
+        not one loop that branches a quad: that form compiled to 255 registers and 280 bytes of
+        spills (ptxas, sm_90a)."""
         block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
         base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * THREADS) + U(4) * U(cuda.threadIdx.x)
         if first:
