@@ -156,7 +156,7 @@ def default_tiles_for(m: int, n: int, k: int, epilogue: str):
     - o_proj, down_proj: WG1_T64 to SHORT_PROMPT_ROWS, WG2_T128 below LONG_PROMPT_ROWS, TMA_T256
       from there where it sums K in the same chunks as WG2_T128 (o_proj 118.6 against WG2_T256's
       129.4 us at 2048 rows; down_proj's 4 chunks keep their totals in a workspace there,
-      gemm_int4_tma.py "K chunks": 516.0 against WG2_T128's 614.1 us at 2048 rows, H100);
+      gemm_int4_tma.py "K chunks": 509.1 against WG2_T128's 606.6 us at 2048 rows, H100, a348b90);
     - gate_up: WG1_T64 to 64 rows, WG1_T128 to SHORT_PROMPT_ROWS, WG2_T128 from there (2026-12-03:
       280.0 against WG1_T128's 300.9 us at 512 rows, 1117.0 against WG2_T256's 1147.6 at 2048),
       and TMA_T256 where tma_gate_up says (243.5 against 270.7 us at 512, 909.3 against 1095.5 at
