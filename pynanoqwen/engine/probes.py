@@ -3,7 +3,7 @@
 Each one runs launch lists of the schedule (schedule.py), never a schedule of its own:
 - `kernel_groups`, `prefill_kernel_groups`: one decode step's launches, or one prefill chunk's,
   grouped by stage, for bench to time each group in its own CUDA graph, with the bytes each must
-  move;
+  move; `prefill_chunk_launches`, the chunk's launches in order (dev/prefill_stages.py);
 - `probed_step`, `probed_prefill`: one decode step, or one prefill chunk, run eagerly, with what
   each launch wrote copied to the host right after it ran (selfcheck.py checks them in float64);
 - `teacher_forced_logits`, `prefill_logits`, `layer_outputs`: logits or one layer's outputs of
@@ -74,11 +74,15 @@ class EngineProbes:
         return groups_by_stage(launches, s)
 
     def prefill_kernel_groups(self, rows: int, method: str = "argmax") -> list[KernelGroup]:
-        """One prefill chunk's launches, of `rows` prompt tokens from position 0 in their own bucket,
-        grouped by stage as kernel_groups groups a decode step's, for timing each group in its own
-        graph. As there, a private pos, tokens and identity page table, and the chunk's K/V written
-        into the first pages (time groups between generations); left out: the chunk's page_alloc
-        (it would take pages from the free list at every replay)."""
+        """One prefill chunk's launches (prefill_chunk_launches) grouped by stage as kernel_groups
+        groups a decode step's, for timing each group in its own graph."""
+        return groups_by_stage(self.prefill_chunk_launches(rows, method), self.stream)
+
+    def prefill_chunk_launches(self, rows: int, method: str = "argmax") -> list[Launch]:
+        """One prefill chunk's launches, of `rows` prompt tokens from position 0 in their own bucket.
+        As in kernel_groups, a private pos, tokens and identity page table, and the chunk's K/V
+        written into the first pages (run them between generations); left out: the chunk's
+        page_alloc (it would take pages from the free list at every replay)."""
         if rows not in self.prefill_buckets:
             raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
         s = self.stream
@@ -87,7 +91,7 @@ class EngineProbes:
                                     page_table=cuda.to_device(np.arange(self.max_pages, dtype=np.int32), stream=s))
         self.buffers.chunk.copy_to_device(np.array([0, rows], np.int32), stream=s)
         ops = PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows, state=state)
-        return groups_by_stage([launch for launch in forward_launches(ops, method) if launch.stage != "page_alloc"], s)
+        return [launch for launch in forward_launches(ops, method) if launch.stage != "page_alloc"]
 
     def _ops(self, state: StepState, context: int) -> DecodeOps:
         return DecodeOps(self.config, self.weights, self.kernels, self.buffers, state=state,
