@@ -19,6 +19,13 @@ its page_alloc) at each chunk size:
 Leaving a stage out leaves its output buffer as the previous replay wrote it: timings only, the
 values are not checked (the tests do that).
 
+Measured on an H100 at 4df2a3f (docs/PERFORMANCE.md, "2026-12-07"), when the probe's chunk was
+token 0 at every position: the chunk's graph took what its stages take alone (14.0 against 13.65 ms
+at 512 rows, 49.8 against 50.97 at 2048), and no stage cost much more in place than alone; the gap
+lay between the TTFT of random ids and the graph of identical rows (16.0 against 14.2 ms, 56.0
+against 49.5), growing with the rows. The probe now draws random ids, so this script's next run
+says whether the rows' data was the gap.
+
     python dev/prefill_stages.py [--rows 512,2048] [--replays 10] [--model 7b.nanoqwen]
 """
 

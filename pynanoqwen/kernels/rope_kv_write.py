@@ -37,7 +37,8 @@ blocks at R = 2048, and 89 us a layer on the H100, ~3.7x the bytes' time (docs/P
 "2026-12-06, night": the prefill breakdown), since each block moved only 1.5 KiB; a block a row
 moves 36 KiB and took 33 us a layer there (1.4x the bytes' time, "2026-12-06, late night"). Its
 9 passes at 7B ran as a loop whose loads waited for the stores before them (they could alias, as
-far as the compiler knew): now every pass's pair is loaded first, in one round trip. The arithmetic
+far as the compiler knew): now every pass's pair is loaded first, in one round trip, and a layer
+takes 28 us at R = 2048 on the H100 (1.13x the bytes' time; "2026-12-07"). The arithmetic
 of each element is the same in every form. The decode step no longer
 launches it: the QKV GEMV's epilogue does the same for its one token (kernels/gemv_int4_kernel.py);
 `launch` (one row) remains for validate's unit check of this kernel. Measured figures:
