@@ -7,8 +7,9 @@ them and bench_report renders them. Split from bench.py, which had reached the 5
   of all types, and `kernel_summary` sets that sum against the graph ITL.
 - Prefill kernels (`prefill_kernel_breakdown`): one prefill chunk of 512 and of 2048 rows
   (PREFILL_KERNEL_ROWS, those that are buckets of the engine), each stage with all its launches
-  replayed in its own graph as the decode breakdown does; their sum against the TTFT of that many
-  tokens says how much of a prompt's time lies between the kernels.
+  replayed in its own graph as the decode breakdown does, on random token ids as a prompt has;
+  their sum against the TTFT of that many tokens says how much of a prompt's time lies between the
+  kernels (dev/prefill_stages.py takes that apart).
 - GEMV table (`gemv_paths`): both INT4 paths at every linear shape of the model, rotating weight
   copies larger than the L2 so that every call reads HBM.
 - GEMM table (`gemm_tiles`): the tensor-core INT4 GEMM of each linear at M = 512 and 2048 with every

@@ -29,7 +29,8 @@ from ..sampling import SamplingParams
 from .buffers import StepState
 from .schedule import DecodeOps, Launch, PrefillOps, forward_launches, layer_launches, run_all
 
-KV_POOLS = ("k_pages", "v_pages")  # writes that are a layer's KV pool: a probe gathers its positions
+KV_POOLS = ("k_pages", "v_pages")
+PROBE_IDS, PROBE_SEED = 4000, 0  # a probe prompt's token ids: random below 4000, as bench's prompts  # writes that are a layer's KV pool: a probe gathers its positions
 
 
 class KernelGroup(NamedTuple):
@@ -82,12 +83,17 @@ class EngineProbes:
         """One prefill chunk's launches, of `rows` prompt tokens from position 0 in their own bucket.
         As in kernel_groups, a private pos, tokens and identity page table, and the chunk's K/V
         written into the first pages (run them between generations); left out: the chunk's
-        page_alloc (it would take pages from the free list at every replay)."""
+        page_alloc (it would take pages from the free list at every replay).
+
+        The tokens are random ids, as bench's prompts draw them, not one id repeated: the chunk's
+        graph on identical rows (token 0 everywhere) ran ~12% faster than the time to first token
+        of a prompt of random ids, in proportion to the rows (docs/PERFORMANCE.md, "2026-12-07")."""
         if rows not in self.prefill_buckets:
             raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
         s = self.stream
+        ids = np.random.default_rng(PROBE_SEED).integers(0, min(self.config.vocab_size, PROBE_IDS), self.max_context + 1)
         state = dataclasses.replace(self.state, pos=cuda.to_device(np.zeros(1, np.int32), stream=s),
-                                    tokens=cuda.to_device(np.zeros(self.max_context + 1, np.int32), stream=s),
+                                    tokens=cuda.to_device(ids.astype(np.int32), stream=s),
                                     page_table=cuda.to_device(np.arange(self.max_pages, dtype=np.int32), stream=s))
         self.buffers.chunk.copy_to_device(np.array([0, rows], np.int32), stream=s)
         ops = PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows, state=state)
