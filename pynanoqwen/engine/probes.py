@@ -29,8 +29,8 @@ from ..sampling import SamplingParams
 from .buffers import StepState
 from .schedule import DecodeOps, Launch, PrefillOps, forward_launches, layer_launches, run_all
 
-KV_POOLS = ("k_pages", "v_pages")
-PROBE_IDS, PROBE_SEED = 4000, 0  # a probe prompt's token ids: random below 4000, as bench's prompts  # writes that are a layer's KV pool: a probe gathers its positions
+KV_POOLS = ("k_pages", "v_pages")  # writes that are a layer's KV pool: a probe gathers its positions
+PROBE_IDS, PROBE_SEED = 4000, 0  # a probe prompt's token ids: random below 4000, as bench's prompts
 
 
 class KernelGroup(NamedTuple):
@@ -86,7 +86,7 @@ class EngineProbes:
         page_alloc (it would take pages from the free list at every replay).
 
         The tokens are random ids, as bench's prompts draw them, not one id repeated: the chunk's
-        graph on identical rows (token 0 everywhere) ran ~12% faster than the time to first token
+        graph on identical rows (token 0 everywhere) ran ~13% faster than the time to first token
         of a prompt of random ids, in proportion to the rows (docs/PERFORMANCE.md, "2026-12-07")."""
         if rows not in self.prefill_buckets:
             raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
