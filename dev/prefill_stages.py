@@ -10,6 +10,8 @@ its page_alloc) at each chunk size:
 - chunk, once: the chunk's graph launched alone after the GPU has idled (as a TTFT launches it),
   median of a few; chunk, replayed: the same graph back to back. TTFT minus "once" is the host's
   part; "once" minus "replayed" what an idle start costs;
+- the same graph on a chunk of identical rows (token 0 at every position, as the probe's chunk was
+  before 2026-12-07), twice, between the rest: what the rows' data changes;
 - for each stage, the chunk's graph without that stage: whole minus that is what the stage costs
   in place, next to its time alone (its own graph, as bench times it). A stage that costs more in
   place than alone is where the gap lies;
@@ -23,8 +25,9 @@ Measured on an H100 at 4df2a3f (docs/PERFORMANCE.md, "2026-12-07"), when the pro
 token 0 at every position: the chunk's graph took what its stages take alone (14.0 against 13.65 ms
 at 512 rows, 49.8 against 50.97 at 2048), and no stage cost much more in place than alone; the gap
 lay between the TTFT of random ids and the graph of identical rows (16.0 against 14.2 ms, 56.0
-against 49.5), growing with the rows. The probe now draws random ids, so this script's next run
-says whether the rows' data was the gap.
+against 49.5), growing with the rows. The probe now draws random ids, and the identical-row graph
+is timed beside it: the next run says whether the rows' data was the gap (predicted: the random-id
+graph within ~0.2-0.5 ms of the TTFT, ~13% above the identical-row one).
 
     python dev/prefill_stages.py [--rows 512,2048] [--replays 10] [--model 7b.nanoqwen]
 """
@@ -102,6 +105,8 @@ def chunk_table(backend, rows: int, replays: int) -> list[dict]:
     backend.reset([0], SamplingParams())
     table.append({"rows": rows, "what": "chunk graph, once after idle", "ms": once, "alone ms": "", "clocks": clocks()})
     whole = timed("chunk graph, replayed", launches)
+    identical = backend.prefill_chunk_launches(rows, "argmax", token_ids=np.zeros(backend.max_context + 1, np.int32))
+    timed("chunk graph of identical rows (token 0), replayed", identical)
     for stage in stages:
         group = [launch for launch in launches if launch.stage == stage]
         alone = time_graph(stream, lambda group=group: run_all(group, stream), replays) * 1e3
@@ -110,6 +115,7 @@ def chunk_table(backend, rows: int, replays: int) -> list[dict]:
                         alone)
         table[-1]["in place ms"] = f"{whole - without:.3f}"
     timed("chunk graph, replayed again", launches)
+    timed("chunk graph of identical rows (token 0), replayed again", identical)
     return table
 
 

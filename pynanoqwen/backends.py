@@ -90,7 +90,7 @@ class GpuEngine(Backend, Protocol):
     def prefill_kernel_groups(self, rows: int, method: str) -> list[tuple[str, Callable[[], None], int, int]]:
         """A prefill chunk's launches by stage, as kernel_groups."""
 
-    def prefill_chunk_launches(self, rows: int, method: str) -> list:
+    def prefill_chunk_launches(self, rows: int, method: str, token_ids=None) -> list:
         """A prefill chunk's launches in order (engine.schedule.Launch each)."""
 
     def bytes_per_step(self, context: int) -> int: ...

@@ -79,7 +79,7 @@ class EngineProbes:
         groups a decode step's, for timing each group in its own graph."""
         return groups_by_stage(self.prefill_chunk_launches(rows, method), self.stream)
 
-    def prefill_chunk_launches(self, rows: int, method: str = "argmax") -> list[Launch]:
+    def prefill_chunk_launches(self, rows: int, method: str = "argmax", token_ids=None) -> list[Launch]:
         """One prefill chunk's launches, of `rows` prompt tokens from position 0 in their own bucket.
         As in kernel_groups, a private pos, tokens and identity page table, and the chunk's K/V
         written into the first pages (run them between generations); left out: the chunk's
@@ -87,13 +87,16 @@ class EngineProbes:
 
         The tokens are random ids, as bench's prompts draw them, not one id repeated: the chunk's
         graph on identical rows (token 0 everywhere) ran ~13% faster than the time to first token
-        of a prompt of random ids, in proportion to the rows (docs/PERFORMANCE.md, "2026-12-07")."""
+        of a prompt of random ids, in proportion to the rows (docs/PERFORMANCE.md, "2026-12-07").
+        `token_ids` (max_context + 1 ids) replaces them, for dev/prefill_stages.py's comparison."""
         if rows not in self.prefill_buckets:
             raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
         s = self.stream
-        ids = np.random.default_rng(PROBE_SEED).integers(0, min(self.config.vocab_size, PROBE_IDS), self.max_context + 1)
+        if token_ids is None:
+            token_ids = np.random.default_rng(PROBE_SEED).integers(0, min(self.config.vocab_size, PROBE_IDS),
+                                                                   self.max_context + 1)
         state = dataclasses.replace(self.state, pos=cuda.to_device(np.zeros(1, np.int32), stream=s),
-                                    tokens=cuda.to_device(ids.astype(np.int32), stream=s),
+                                    tokens=cuda.to_device(np.asarray(token_ids, np.int32), stream=s),
                                     page_table=cuda.to_device(np.arange(self.max_pages, dtype=np.int32), stream=s))
         self.buffers.chunk.copy_to_device(np.array([0, rows], np.int32), stream=s)
         ops = PrefillOps(self.config, self.weights, self.kernels, self.buffers, rows, state=state)
