@@ -44,6 +44,7 @@ from numba import cuda
 from harness import print_table
 from pynanoqwen.bench import time_generation
 from pynanoqwen.engine import CudaBackend
+from pynanoqwen.engine.probes import PROBE_IDS
 from pynanoqwen.engine.schedule import run_all
 from pynanoqwen.gpu_timing import time_graph
 from pynanoqwen.graphs import capture
@@ -87,7 +88,7 @@ def chunk_table(backend, rows: int, replays: int) -> list[dict]:
     stream = backend.stream
     launches = backend.prefill_chunk_launches(rows, "argmax")
     stages = list(dict.fromkeys(launch.stage for launch in launches))
-    prompt = np.random.default_rng(rows).integers(0, 4000, rows).tolist()
+    prompt = np.random.default_rng(rows).integers(0, PROBE_IDS, rows).tolist()  # the probe's id range
     time_generation(backend, prompt, 1)  # captures the bucket's graph
     ttft = float(np.median([time_generation(backend, prompt, 1)[0] for _ in range(3)]))
     table = [{"rows": rows, "what": "TTFT (bench)", "ms": ttft, "alone ms": "", "clocks": clocks()}]
