@@ -317,7 +317,7 @@ class GemmTiling:
             raise ValueError(f"out must be {self.out_dtype} [>= {m}, {self.n}], got {out.dtype} {tuple(out.shape)}")
         if m < 1:
             return
-        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
+        grid = tiles.grid(m, self.n, self.matrices)
         if isinstance(tiles, TmaTile):  # X and W through tensor maps, made once each (gemm_int4_tma.TensorMaps)
             if tiles not in self.tensor_maps:
                 self.tensor_maps[tiles] = TensorMaps(self.n, self.k, tiles, [q0, q1][:self.matrices])
@@ -344,8 +344,9 @@ class SplitWorkspace:
     "K chunks"), the chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a
     block tile, zero between launches (the last block of a tile resets its own); and the TMA
     kernel's running totals (gemm_int4_tma.py, "K chunks") of up to `total_rows` rows, in the same
-    words, and its unit form's counters in the same counters. Its owner passes it to every GEMM launch of a stream (dev/gemm_k_chunks.py; the engine's
-    prefill buffers, engine/buffers.py); launches on one stream run one at a time, so they share
+    words, and its unit form's counters in the same counters. Its owner passes it to every GEMM
+    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers, engine/buffers.py);
+    launches on one stream run one at a time, so they share
     it. Without one a wgmma GEMM runs its sequential form, with the same bits, and a TMA GEMM
     makes its own totals and counters."""
 
@@ -358,7 +359,8 @@ class SplitWorkspace:
     def counter_count(rows: int, n: int, total_rows: int = 0) -> int:
         """The split form's counters (one a block tile of the 64-token tiles), or the TMA kernel's
         unit form's (TensorMaps.unit_counters) at total_rows, whichever are more."""
-        return max(max(1, rows // 16) * max(1, n // 64), 1 + -(-total_rows // TMA_T256.tokens) * (n // TMA_T256.block_n))
+        token_tiles, column_tiles = TMA_T256.grid(total_rows, n, 1)
+        return max(max(1, rows // 16) * max(1, n // 64), 1 + token_tiles * column_tiles)
 
     @staticmethod
     def words(rows: int, n: int, chunks: int, total_rows: int = 0) -> int:
