@@ -346,9 +346,8 @@ class SplitWorkspace:
     kernel's running totals (gemm_int4_tma.py, "K chunks") of up to `total_rows` rows, in the same
     words, and its unit form's counters in the same counters. Its owner passes it to every GEMM
     launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers, engine/buffers.py);
-    launches on one stream run one at a time, so they share
-    it. Without one a wgmma GEMM runs its sequential form, with the same bits, and a TMA GEMM
-    makes its own totals and counters."""
+    launches on one stream run one at a time, so they share it. Without one a wgmma GEMM runs its
+    sequential form, with the same bits, and a TMA GEMM makes its own totals and counters."""
 
     def __init__(self, rows: int, n: int, chunks: int, stream=0, total_rows: int = 0):
         self.rows, self.n, self.chunks = rows, n, chunks
