@@ -26,8 +26,9 @@ token 0 at every position: the chunk's graph took what its stages take alone (14
 at 512 rows, 49.8 against 50.97 at 2048), and no stage cost much more in place than alone; the gap
 lay between the TTFT of random ids and the graph of identical rows (16.0 against 14.2 ms, 56.0
 against 49.5), growing with the rows. The probe now draws random ids, and the identical-row graph
-is timed beside it: the next run says whether the rows' data was the gap (predicted: the random-id
-graph within ~0.2-0.5 ms of the TTFT, ~13% above the identical-row one).
+is timed beside it. At c897411 (H100, "2026-12-07, morning") the random-row graph took the TTFT's
+time (15.0 against 15.2 ms at 512 rows, 56.0 against 55.8 at 2048) and identical rows 6-14% less
+(14.1, 49.3), at higher clocks under the power cap: the rows' data was the gap.
 
     python dev/prefill_stages.py [--rows 512,2048] [--replays 10] [--model 7b.nanoqwen]
 """
