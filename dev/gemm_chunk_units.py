@@ -26,7 +26,7 @@ from harness import check_gemm, print_table, product_gemm, time_product_gemm
 from pynanoqwen.config import preset
 from pynanoqwen.device import sm_count
 from pynanoqwen.kernels import gemm_int4
-from pynanoqwen.kernels.gemm_int4_tiles import default_tiles_for, k_chunks
+from pynanoqwen.kernels.gemm_int4_tiles import default_launch, default_tiles_for, k_chunks
 from pynanoqwen.kernels.gemm_int4_tma import TmaTile, runs_chunk_units
 
 
@@ -67,8 +67,7 @@ def main() -> None:
                     times[form].append(time_form(n, k, m, epilogue, tiles, form == "as launched"))
             blocks, launched = (np.median(times[form]) for form in times)
             table.append({"linear": name, "rows": m,
-                          "form launched": "unit" if runs_chunk_units(np.prod(tiles.grid(m, n, 1)),
-                                                                      k_chunks(k, tiles, epilogue), sm_count())
+                          "form launched": "unit" if default_launch(m, n, k, epilogue, sm_count())[2]
                           else "blocks a tile",
                           **{f"{form}, us": " / ".join(f"{t:.1f}" for t in times[form]) for form in times},
                           "saved, us": f"{blocks - launched:.1f}",

@@ -87,8 +87,8 @@ class EngineProbes:
         page_alloc (it would take pages from the free list at every replay).
 
         The tokens are random ids, as bench's prompts draw them, not one id repeated: the chunk's
-        graph on identical rows (token 0 everywhere) ran ~13% faster than the time to first token
-        of a prompt of random ids, in proportion to the rows (docs/PERFORMANCE.md, "2026-12-07").
+        graph on identical rows (token 0 everywhere) ran 6-14% faster than on random ids, which
+        take the time to first token's time (docs/PERFORMANCE.md, "2026-12-07, morning").
         `token_ids` (max_context + 1 ids) replaces them, for dev/prefill_stages.py's comparison."""
         if rows not in self.prefill_buckets:
             raise NanoQwenError(f"{rows} rows is not a prefill bucket of this engine ({self.prefill_buckets})")
