@@ -73,7 +73,10 @@ def test_kernel_compiles_for_sm90(target):
     assert spills == [0] * len(spills), report
     # ptxas runs every wgmma of a kernel one at a time when the kernel holds a call (C7509): a
     # correctly rounded division is one (docs/HARDWARE.md; kernels/call_free.py divides without it).
-    assert "C7509" not in report, f"{target.name}: ptxas serializes its wgmmas: {report}"
+    # It does too when a wgmma's registers are written on a divergent path (C7520), and it inserts
+    # a warpgroup arrive between wgmmas whose A registers are written between them (C7519).
+    for note in ("C7509", "C7519", "C7520"):
+        assert note not in report, f"{target.name}: ptxas serializes or fences its wgmmas ({note}): {report}"
 
 
 def test_sampling_sorts_divide_by_nothing():

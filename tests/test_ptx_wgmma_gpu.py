@@ -10,5 +10,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("step", [0, 3])
-def test_one_wgmma_matches_numpy(n, step):
-    check_one_wgmma(n, step)
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_one_wgmma_matches_numpy(n, step, mn_major):
+    check_one_wgmma(n, step, mn_major)

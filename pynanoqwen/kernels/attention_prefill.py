@@ -204,9 +204,10 @@ def block_warps(num_heads: int, num_kv_heads: int, query_tile: int) -> int:
 
 
 def shared_bytes(num_heads: int, num_kv_heads: int, head_dim: int, query_tile: int, whole: bool) -> int:
-    """Dynamic shared memory of a block: the K ring's 1024-byte alignment slack, the rings (K
-    unpadded, V padded by 16 bytes a row), and for the whole kernel its running state."""
-    rings = STAGES * KEY_TILE * (head_dim * 2 + (head_dim // 2 + 4) * 4)
+    """Dynamic shared memory of a block: the K ring's 1024-byte alignment slack, the rings (a K and
+    a V tile a stage, KEY_TILE rows of head_dim FP16 each), and for the whole kernel its running
+    state."""
+    rings = STAGES * 2 * KEY_TILE * head_dim * 2
     running = 4 * 32 * block_warps(num_heads, num_kv_heads, query_tile) * state_values(head_dim) if whole else 0
     return SWIZZLE_ATOM_BYTES + rings + running
 
@@ -232,14 +233,15 @@ def compile_targets() -> list[CompileTarget]:
     whole = types.void(q, words, words, ints, ints, ints, words)
     split = types.void(q, words, words, ints, ints, ints, floats)
     merge = types.void(ints, ints, floats, words)
-    tiles = (f"wgmma.mma_async.sync.aligned.m64n{KEY_TILE}k16.f32.f16.f16", "fence.proxy.async.shared::cta",
-             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
-             "cp.async.cg.shared.global", "cvt.rn.f16x2.f32", "shfl.sync.bfly.b32", "ex2.approx.f32")
     targets = []
     for heads, kv_heads, head_dim, tile, pages, segment, forms in ((28, 4, 128, 16, 2048, SEGMENT_KEYS, 3),
                                                                    (14, 2, 64, 16, 2048, SEGMENT_KEYS, 1),
                                                                    (4, 2, 64, 16, 8, KEY_TILE, 3),
                                                                    (4, 2, 64, 32, 8, KEY_TILE, 1)):
+        tiles = (f"wgmma.mma_async.sync.aligned.m64n{KEY_TILE}k16.f32.f16.f16",  # S = Q K^T
+                 f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.f16.f16",  # O += P V
+                 "fence.proxy.async.shared::cta", "cp.async.cg.shared.global", "cvt.rn.f16x2.f32",
+                 "shfl.sync.bfly.b32", "ex2.approx.f32")
         kernels = build_kernels(heads, kv_heads, head_dim, tile, segment, segment_count(pages, segment))
         name = f"{heads}/{kv_heads}x{head_dim}, query tile {tile}, {segment}-key segments"
         targets.append(CompileTarget(f"prefill_attention[{name}]", kernels[0], whole, tiles + ("fma.rn.f32",),

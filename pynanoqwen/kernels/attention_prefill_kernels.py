@@ -14,16 +14,16 @@ from numba import cuda, types
 from ..ptx import SIMULATOR
 from ..ptx.fma import fma
 from ..ptx.half2 import float2_to_half2
-from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group, ldmatrix_x4_trans, mma_m16n8k16
+from ..ptx.mma import cp_async_16, cp_async_commit_group, cp_async_wait_group
 from ..ptx.warp import shfl_xor
 from ..ptx.wgmma import ROW_BYTES, SWIZZLE_ATOM_BYTES, WARPGROUP, fence_proxy_async_shared, shared_byte_address, \
-    wgmma_commit_group, wgmma_f16, wgmma_fence, wgmma_wait_group
+    wgmma_commit_group, wgmma_f16, wgmma_f16_mn, wgmma_fence, wgmma_wait_group
 from . import PAGE_SIZE
 from .call_free import divide
 from .kv_layout import SWIZZLE_ROWS
 
 KEY_TILE = 64  # keys per pipeline stage: four pages, one m64n64 wgmma a 16-dim k step
-STAGES = 2  # (K, V) tiles in shared memory: 67 KiB at head_dim 128
+STAGES = 2  # (K, V) tiles in shared memory: 64 KiB at head_dim 128
 QUERY_TILE = 16  # default query positions per block: one 16-row mma tile per query head
 # Keys per segment: each row's softmax state restarts at every multiple of this and is folded into
 # the running state in segment order (kernels/attention_prefill.py's docstring). Chosen on the
@@ -59,11 +59,11 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     THREADS = 32 * WARPS
     QUERY_ROWS = query_tile
     ROW_WORDS = head_dim // 2  # one K/V row in global memory, as half2 words
-    V_ROW_WORDS = ROW_WORDS + 4  # padded V row: ldmatrix's 8 row addresses hit 8 bank groups
-    K_TILE_WORDS = KEY_TILE * ROW_WORDS  # swizzled, unpadded: 64-wide slabs of KEY_TILE 128-byte rows
+    # K and V tiles alike: 64-wide slabs of KEY_TILE 128-byte rows, 128-byte swizzled (ptx/wgmma.py)
+    TILE_WORDS = KEY_TILE * ROW_WORDS
     SLAB_WORDS = KEY_TILE * ROW_BYTES // 4
-    V_TILE_WORDS = KEY_TILE * V_ROW_WORDS
-    RINGS_WORDS = STAGES * (K_TILE_WORDS + V_TILE_WORDS)
+    SLAB_BYTES = KEY_TILE * ROW_BYTES  # from one 64-dim slab of a tile to the next
+    RINGS_WORDS = STAGES * 2 * TILE_WORDS
     ROW_CHUNKS = head_dim // 8  # 16-byte copies per row
     TILE_CHUNKS = KEY_TILE * ROW_CHUNKS
     SLOT_WORDS = ROW_WORDS
@@ -73,8 +73,10 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
     DIM_STEPS = head_dim // 16  # k steps of Q K^T
     KEY_NTILES = KEY_TILE // 8  # n tiles of S
     KEY_STEPS = KEY_TILE // 16  # k steps of P V
+    KEY_STEP_WORDS = 16 * ROW_BYTES // 4  # from one k step of P V to the next in a V slab
     DIM_NTILES = head_dim // 8  # n tiles of O
     Q_REGISTERS, S_REGISTERS, O_REGISTERS = 4 * DIM_STEPS, 4 * KEY_NTILES, 4 * DIM_NTILES  # per lane
+    P_REGISTERS = S_REGISTERS // 2  # the weights as half2 words: P V's A fragments
     STATE = state_values(head_dim)
     SUM_LO, SUM_HI, MAX_LO, MAX_HI = O_REGISTERS, O_REGISTERS + 1, O_REGISTERS + 2, O_REGISTERS + 3
     SEGMENT_TILES = segment_keys // KEY_TILE
@@ -97,17 +99,16 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
 
     @cuda.jit(device=True, inline="always")
     def load_tile(k_words, v_words, page_table, smem, k_ring, v_ring, stage, first_key, last_key, kv_head):
-        """Issue this thread's cp.async share of keys first_key..+KEY_TILE-1 into `stage`: K chunk c
-        of row r at chunk position c ^ (r % 8) of its slab's 128-byte row, V padded. Keys past
+        """Issue this thread's cp.async share of keys first_key..+KEY_TILE-1 into `stage`: K and V
+        chunk c of row r at chunk position c ^ (r % 8) of its slab's 128-byte row. Keys past
         last_key are zero-filled and not read."""
         for i in range(-(-TILE_CHUNKS // THREADS)):
             c = U(cuda.threadIdx.x) + U(i * THREADS)
             if TILE_CHUNKS % THREADS == 0 or c < TILE_CHUNKS:
                 row, chunk = c // U(ROW_CHUNKS), c % U(ROW_CHUNKS)
                 key = first_key + row
-                k_dst = (k_ring + stage * U(K_TILE_WORDS) + (chunk // U(8)) * U(SLAB_WORDS) + row * U(32)
-                         + U(4) * ((chunk % U(8)) ^ (row % U(8))))
-                v_dst = v_ring + stage * U(V_TILE_WORDS) + row * U(V_ROW_WORDS) + chunk * U(4)
+                in_tile = (stage * U(TILE_WORDS) + (chunk // U(8)) * U(SLAB_WORDS) + row * U(32)
+                           + U(4) * ((chunk % U(8)) ^ (row % U(8))))
                 src, size = U(0), U(0)
                 if key <= last_key:
                     page = U(page_table[key // U(PAGE_SIZE)])
@@ -115,8 +116,8 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
                     src = page * U(PAGE_WORDS) + kv_head * U(KV_HEAD_WORDS) + (key % U(PAGE_SIZE)) * U(SLOT_WORDS) \
                         + (chunk ^ (key % U(SWIZZLE_ROWS))) * U(4)
                     size = U(16)
-                cp_async_16(smem, k_dst, k_words, src, size)
-                cp_async_16(smem, v_dst, v_words, src, size)
+                cp_async_16(smem, k_ring + in_tile, k_words, src, size)
+                cp_async_16(smem, v_ring + in_tile, v_words, src, size)
 
     @cuda.jit(device=True, inline="always")
     def load_q(q, m, warp_row, head, gid, tid, q_frag):
@@ -142,22 +143,9 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         state[MAX_LO], state[MAX_HI] = NEG_INF, NEG_INF
 
     @cuda.jit(device=True, inline="always")
-    def attend_tile(smem, k_stage, v_stage, first_key, warp_position, lane, gid, tid, q_frag, s, state, real):
-        """Add the key tile (keys first_key..+KEY_TILE-1; K at k_stage, V at v_stage of `smem`) into
-        this lane's state. Every warp of the block calls it (the wgmma is its warpgroup's)."""
-        # S = Q K^T: the warpgroup's 64 rows (its warps' Q fragments) against the tile's keys,
-        # one wgmma a 16-dim k step, the result in mma.sync's D layout (ptx/wgmma.py).
-        for i in range(S_REGISTERS):
-            s[i] = ZERO
-        wgmma_fence()
-        for kk in range(DIM_STEPS):
-            wgmma_f16(s, KEY_TILE, q_frag[4 * kk], q_frag[4 * kk + 1], q_frag[4 * kk + 2], q_frag[4 * kk + 3],
-                      smem, k_stage + U((kk // 4) * SLAB_WORDS + 8 * (kk % 4)))
-        wgmma_commit_group()
-        wgmma_wait_group(0)
-        if not real:
-            return
-
+    def softmax_tile(first_key, warp_position, gid, tid, s, state):
+        """The tile's scores s (log2 domain) become this lane's weights P = exp2(s - max), the
+        state's maxima, sums and O accumulators rescaled to the new maxima."""
         if first_key + U(KEY_TILE - 1) > warp_position:  # the tile reaches past some row's position
             for j in range(KEY_NTILES):
                 for e in range(4):
@@ -195,24 +183,39 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             sum_hi += s[4 * j + 2] + s[4 * j + 3]
         state[SUM_LO], state[SUM_HI] = sum_lo, sum_hi
 
-        # O += P V. The S accumulators of key n tiles 2 ks, 2 ks + 1 are the A fragment of key
-        # step ks. Lane 8i + r points at key row 16 ks + 8 (i % 2) + r, dims 16 jp + 8 (i // 2):
-        # transposed, matrices 0, 1 are b0, b1 of dim n tile 2 jp, matrices 2, 3 of 2 jp + 1.
+    @cuda.jit(device=True, inline="always")
+    def attend_tile(smem, k_stage, v_stage, first_key, warp_position, gid, tid, q_frag, s, p_frag, state):
+        """Add the key tile (keys first_key..+KEY_TILE-1; K at k_stage, V at v_stage of `smem`) into
+        this lane's state (s and p_frag: the tile's scores and weights, registers). Every warp of
+        the block calls it (the wgmmas are its warpgroup's)."""
+        # S = Q K^T: the warpgroup's 64 rows (its warps' Q fragments) against the tile's keys,
+        # one wgmma a 16-dim k step, the result in mma.sync's D layout (ptx/wgmma.py).
+        for i in range(S_REGISTERS):
+            s[i] = ZERO
+        wgmma_fence()
+        for kk in range(DIM_STEPS):
+            wgmma_f16(s, KEY_TILE, q_frag[4 * kk], q_frag[4 * kk + 1], q_frag[4 * kk + 2], q_frag[4 * kk + 3],
+                      smem, k_stage + U((kk // 4) * SLAB_WORDS + 8 * (kk % 4)))
+        wgmma_commit_group()
+        wgmma_wait_group(0)
+        # A padding warp too (on warp 0's rows, into a state it never stores): a branch around it
+        # would leave the accumulators written on a divergent path, and ptxas then serializes
+        # every wgmma of the kernel (its warning C7520).
+        softmax_tile(first_key, warp_position, gid, tid, s, state)
+        # O += P V on wgmma: the S accumulators of key n tiles 2 ks, 2 ks + 1 are the A fragment of
+        # key step ks (flash-attention 2's register reuse; wgmma takes A as mma.sync does), the O
+        # accumulators (state[0 : O_REGISTERS]) its D, and V's 16 key rows of step ks, MN-major,
+        # its B: the V tile is stored as the K tile is, so its rows are B's k rows (ptx/wgmma.py).
+        # Every A register is packed before the fence: one written between two wgmmas makes ptxas
+        # insert a warpgroup arrive there (its note C7519).
+        for i in range(P_REGISTERS):
+            p_frag[i] = float2_to_half2(s[2 * i], s[2 * i + 1])
+        wgmma_fence()  # the softmax rewrote the accumulators
         for ks in range(KEY_STEPS):
-            p = 8 * ks
-            a0 = float2_to_half2(s[p], s[p + 1])
-            a1 = float2_to_half2(s[p + 2], s[p + 3])
-            a2 = float2_to_half2(s[p + 4], s[p + 5])
-            a3 = float2_to_half2(s[p + 6], s[p + 7])
-            for jp in range(DIM_NTILES // 2):
-                b0, b1, b2, b3 = ldmatrix_x4_trans(
-                    smem, v_stage + (U(16 * ks) + U(8) * ((lane // U(8)) % U(2)) + lane % U(8)) * U(V_ROW_WORDS)
-                    + U(8 * jp) + U(4) * (lane // U(16)))
-                o = 8 * jp
-                state[o], state[o + 1], state[o + 2], state[o + 3] = mma_m16n8k16(
-                    a0, a1, a2, a3, b0, b1, state[o], state[o + 1], state[o + 2], state[o + 3])
-                state[o + 4], state[o + 5], state[o + 6], state[o + 7] = mma_m16n8k16(
-                    a0, a1, a2, a3, b2, b3, state[o + 4], state[o + 5], state[o + 6], state[o + 7])
+            wgmma_f16_mn(state, head_dim, p_frag[4 * ks], p_frag[4 * ks + 1], p_frag[4 * ks + 2], p_frag[4 * ks + 3],
+                         smem, v_stage + U(ks * KEY_STEP_WORDS), SLAB_BYTES)
+        wgmma_commit_group()
+        wgmma_wait_group(0)
 
     @cuda.jit(device=True, inline="always")
     def fold_scales(running_max, segment_max):
@@ -245,7 +248,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
 
     @cuda.jit(device=True, inline="always")
     def walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
-                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at, real):
+                   warp_position, gid, tid, q_frag, s, p_frag, state, running, run_at, real):
         """Tiles first_tile..end_tile - 1 into `state` through the two-stage ring (tile first_tile
         already issued). Each segment that ends before end_tile is folded into `running` (shared
         memory; this lane's value v at run_at + 32 v) and `state` restarts; a range within one
@@ -264,8 +267,8 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             # Every tile up to the block's last key: for a warp whose rows all precede it, every
             # weight is exp2(-inf) = 0 and every scale 1 (0 on an empty state), so its state keeps
             # its bits; skipping it per warp would split a warpgroup's wgmma.
-            attend_tile(smem, k_ring + stage * U(K_TILE_WORDS), v_ring + stage * U(V_TILE_WORDS), kt * U(KEY_TILE),
-                        warp_position, lane, gid, tid, q_frag, s, state, real)
+            attend_tile(smem, k_ring + stage * U(TILE_WORDS), v_ring + stage * U(TILE_WORDS), kt * U(KEY_TILE),
+                        warp_position, gid, tid, q_frag, s, p_frag, state)
             if (kt + U(1)) % U(SEGMENT_TILES) == U(0) and kt + U(1) < end_tile:
                 if real:
                     fold_into_shared(running, run_at, state)
@@ -295,7 +298,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         1024-byte boundary (the swizzle's atom), the V ring after it."""
         k_ring = (U(SWIZZLE_ATOM_BYTES) - shared_byte_address(smem, U(0)) % U(SWIZZLE_ATOM_BYTES)) \
             % U(SWIZZLE_ATOM_BYTES) // U(4)
-        return k_ring, k_ring + U(STAGES * K_TILE_WORDS)
+        return k_ring, k_ring + U(STAGES * TILE_WORDS)
 
     @cuda.jit(device=True, inline="always")
     def lane_rows(first_row, start):
@@ -333,6 +336,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         state = cuda.local.array(STATE, types.float32)  # the segment's: O (c0, c1 row gid; c2, c3 row gid + 8), ...
         reset(state)
         s = cuda.local.array(S_REGISTERS, types.float32)
+        p_frag = cuda.local.array(P_REGISTERS, types.uint32)
         run_at = k_ring + U(RINGS_WORDS) + warp * U(STATE * 32) + lane
         # A block of one segment folds it into the empty state only: fold(empty, S) = S + 0 (a = exp2(-inf)
         # = 0, b = exp2(0) = 1), so it skips the running state (5 of 51 us a layer at 512 tokens, measured
@@ -342,7 +346,7 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
             for v in range(STATE):
                 running[run_at + U(32 * v)] = NEG_INF if v >= MAX_LO else ZERO
         walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, U(0), key_tiles, last_key, kv_head,
-                   warp_position, lane, gid, tid, q_frag, s, state, running, run_at, real)
+                   warp_position, gid, tid, q_frag, s, p_frag, state, running, run_at, real)
         if not real:
             return
         if single:
@@ -383,8 +387,9 @@ def build_kernels(num_heads, num_kv_heads, head_dim, query_tile, segment_keys, m
         state = cuda.local.array(STATE, types.float32)
         reset(state)
         s = cuda.local.array(S_REGISTERS, types.float32)
+        p_frag = cuda.local.array(P_REGISTERS, types.uint32)
         walk_tiles(k_words, v_words, page_table, smem, k_ring, v_ring, first_tile, end_tile, last_key, kv_head,
-                   warp_position, lane, gid, tid, q_frag, s, state, unused, U(0), real)
+                   warp_position, gid, tid, q_frag, s, p_frag, state, unused, U(0), real)
         if not real:
             return
         at = record_at(segment, warp, lane)

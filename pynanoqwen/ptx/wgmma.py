@@ -26,6 +26,16 @@ cc=(9, 0, "a")).
         The instruction's B descriptor (start address >> 4, leading-dimension offset unused,
         stride 1024 bytes between 8-row atoms, swizzle mode 1 = 128 bytes) is built from the
         shared address of tile[index].
+    wgmma_f16_mn(acc, n, a0, a1, a2, a3, tile, index, slab_bytes)
+        The same product with B read "MN-major" (the instruction's transposed-B immediate, 1): B
+        as 16 k rows of n values, the layout of a tile of rows whose values are the N dimension
+        (the V tile of attention, O += P V, its keys the k rows). The values come in 64-wide
+        slabs of 128-byte rows, slab j at `slab_bytes` j from slab 0 (the descriptor's leading
+        byte offset); in a slab, k row r is 128 bytes at byte r * 128 of its 8-row atom (1024
+        bytes, atoms back to back: the stride byte offset), its 16-byte chunk c (values 8c..8c+7)
+        at chunk position c ^ (r % 8). So a tile of 128-byte rows stored as wgmma_f16 reads K is
+        also a B operand here, its rows the k dimension. `index` is the word index of k row 0 of
+        this k step in slab 0 (the tile start plus 512 words a k step of 16 rows).
     wgmma_fence()        wgmma.fence.sync.aligned: before the first wgmma, and again whenever A
                          registers or accumulators were written by other instructions.
     wgmma_commit_group() wgmma.commit_group.sync.aligned: the wgmmas issued so far form a group.
@@ -82,10 +92,10 @@ def check_width(n: int) -> None:
 
 # --- Simulator twins --------------------------------------------------------------------------
 
-def wgmma_warpgroup(lanes: list, n: int) -> list:
+def wgmma_warpgroup(lanes: list, n: int, read_b) -> list:
     """What wgmma m64n{n}k16 computes for a whole warpgroup: lanes[L] = (acc, a0, a1, a2, a3, tile,
     index) of thread L -> [n/2 float32 accumulators of each thread], D = A B^T + C in float64 rounded
-    once to float32, B read from `tile` through the 128-byte swizzle."""
+    once to float32, B = read_b(tile, index) (n x 16, through the 128-byte swizzle)."""
     a, c = np.zeros((64, 16)), np.zeros((64, n))
     tile, index = lanes[0][5], int(lanes[0][6])
     for thread, (acc, a0, a1, a2, a3, _, _) in enumerate(lanes):
@@ -98,15 +108,7 @@ def wgmma_warpgroup(lanes: list, n: int) -> list:
         for i in range(n // 8):
             c[row, 8 * i + 2 * t:8 * i + 2 * t + 2] = acc[4 * i:4 * i + 2]
             c[row + 8, 8 * i + 2 * t:8 * i + 2 * t + 2] = acc[4 * i + 2:4 * i + 4]
-    words = np.asarray(tile, dtype=np.uint32)
-    b = np.zeros((n, 16))
-    k_word = index % (ROW_BYTES // 4)  # the k step's first word within its row
-    for r in range(n):
-        row_word = index - k_word + (r // 8) * (SWIZZLE_ATOM_BYTES // 4) + (r % 8) * (ROW_BYTES // 4)
-        for half in range(2):  # the k step's two 16-byte chunks
-            chunk = k_word // 4 + half
-            at = row_word + 4 * (chunk ^ (r % 8))  # the 128-byte swizzle
-            b[r, 8 * half:8 * half + 8] = words[at:at + 4].view(np.float16)
+    b = read_b(tile, index)
     d = (a @ b.T + c).astype(np.float32)
     results = []
     for thread in range(WARPGROUP):
@@ -121,11 +123,47 @@ def wgmma_warpgroup(lanes: list, n: int) -> list:
     return results
 
 
+def b_k_major(tile, index, n) -> np.ndarray:
+    """B (n x 16) of wgmma_f16: n K-major rows of the 128-byte-swizzled tile at word `index`."""
+    words = np.asarray(tile, dtype=np.uint32)
+    b = np.zeros((n, 16))
+    k_word = index % (ROW_BYTES // 4)  # the k step's first word within its row
+    for r in range(n):
+        row_word = index - k_word + (r // 8) * (SWIZZLE_ATOM_BYTES // 4) + (r % 8) * (ROW_BYTES // 4)
+        for half in range(2):  # the k step's two 16-byte chunks
+            chunk = k_word // 4 + half
+            at = row_word + 4 * (chunk ^ (r % 8))  # the 128-byte swizzle
+            b[r, 8 * half:8 * half + 8] = words[at:at + 4].view(np.float16)
+    return b
+
+
+def b_mn_major(tile, index, n, slab_bytes) -> np.ndarray:
+    """B (n x 16, as b_k_major gives it) of wgmma_f16_mn: 16 MN-major k rows of n values."""
+    words = np.asarray(tile, dtype=np.uint32)
+    b = np.zeros((n, 16))
+    for k in range(16):
+        row_word = index + (k // 8) * (SWIZZLE_ATOM_BYTES // 4) + (k % 8) * (ROW_BYTES // 4)
+        for c in range(n // 8):  # chunk c of the values: slab c // 8, chunk c % 8 in its row
+            at = row_word + (c // 8) * (slab_bytes // 4) + 4 * ((c % 8) ^ (k % 8))
+            b[8 * c:8 * c + 8, k] = words[at:at + 4].view(np.float16)
+    return b
+
+
 def wgmma_f16_simulated(acc, n, a0, a1, a2, a3, tile, index):
     n = int(n)
     check_width(n)
     mine = cooperate("wgmma", (np.array(acc[:n // 2]), a0, a1, a2, a3, tile, index),
-                      lambda lanes: wgmma_warpgroup(lanes, n), width=WARPGROUP)
+                      lambda lanes: wgmma_warpgroup(lanes, n, lambda t, i: b_k_major(t, int(i), n)),
+                      width=WARPGROUP)
+    acc[:n // 2] = mine
+
+
+def wgmma_f16_mn_simulated(acc, n, a0, a1, a2, a3, tile, index, slab_bytes):
+    n, slab_bytes = int(n), int(slab_bytes)
+    check_width(n)
+    mine = cooperate("wgmma", (np.array(acc[:n // 2]), a0, a1, a2, a3, tile, index),
+                      lambda lanes: wgmma_warpgroup(lanes, n, lambda t, i: b_mn_major(t, int(i), n, slab_bytes)),
+                      width=WARPGROUP)
     acc[:n // 2] = mine
 
 
@@ -203,10 +241,61 @@ def shared_byte_address(typingctx, tile, index):
 
 
 _DESCRIPTOR_FIXED = (1 << 16) | ((SWIZZLE_ATOM_BYTES >> 4) << 32) | (1 << 62)
-"""Descriptor fields besides the start address: leading-dimension byte offset 1 (encoded; unused by
-a K-major swizzled operand whose k step lies inside one 128-byte row), stride-dimension byte offset
-1024 >> 4 (from one 8-row atom to the next), base offset 0 (atoms 1024-byte aligned), swizzle mode
-1 (128 bytes) in bits 62-63."""
+"""Descriptor fields of wgmma_f16's B besides the start address: leading-dimension byte offset 1
+(encoded; unused by a K-major swizzled operand whose k step lies inside one 128-byte row),
+stride-dimension byte offset 1024 >> 4 (from one 8-row atom to the next), base offset 0 (atoms
+1024-byte aligned), swizzle mode 1 (128 bytes) in bits 62-63."""
+
+
+def _descriptor_mn(slab_bytes: int) -> int:
+    """wgmma_f16_mn's fixed descriptor fields: leading-dimension byte offset = from one 64-wide slab
+    of values to the next (the MN direction), stride-dimension byte offset = from one 8-row atom of
+    k rows to the next, the rest as _DESCRIPTOR_FIXED (CUTLASS's canonical MN-major 128-byte layout,
+    ((8, n), (8, k)) : ((1, LBO), (8, SBO)) in 16-byte units)."""
+    if slab_bytes % SWIZZLE_ATOM_BYTES or not 0 < slab_bytes < 1 << 18:
+        raise ValueError(f"wgmma_f16_mn: slab_bytes = {slab_bytes} is not a multiple of 1024 below 2^18")
+    return ((slab_bytes >> 4) << 16) | ((SWIZZLE_ATOM_BYTES >> 4) << 32) | (1 << 62)
+
+
+def _wgmma_codegen(width: int, fixed: int, transpose_b: int):
+    """The codegen of one `wgmma.mma_async` m64n{width}k16 f32 += f16 x f16, A from registers, B
+    through a descriptor of the shared address of tile[index] and the `fixed` fields."""
+    registers = width // 2
+
+    def codegen(context, builder, sig, args):
+        acc_type, _, *a_types, tile_type, index_type = sig.args[:8]
+        acc_v, _, *a_values, tile_v, index_v = args[:8]
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        data = context.make_array(acc_type)(context, builder, value=acc_v).data
+        slots = [cgutils.gep(builder, data, i) for i in range(registers)]
+        c = [builder.load(slot) for slot in slots]
+        a = [context.cast(builder, v, t, types.uint32) for v, t in zip(a_values, a_types)]
+        address = shared_address(context, builder, _element_pointer(context, builder, tile_type, tile_v,
+                                                                    index_type, index_v))
+        start = builder.lshr(builder.and_(builder.zext(address, i64), ir.Constant(i64, 0x3FFFF)),
+                             ir.Constant(i64, 4))
+        descriptor = builder.or_(start, ir.Constant(i64, fixed))
+        d_list = ", ".join(f"${i}" for i in range(registers))
+        a_list = ", ".join(f"${registers + i}" for i in range(4))
+        text = ("{ .reg .pred p; setp.ne.b32 p, 1, 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.f16.f16 {{{d_list}}}, {{{a_list}}}, "
+                f"${registers + 4}, p, 1, 1, {transpose_b}; }}")
+        constraints = ",".join(["=f"] * registers + ["r"] * 4 + ["l"] + [str(i) for i in range(registers)])
+        out = ir.LiteralStructType([f32] * registers)
+        fn_type = ir.FunctionType(out, [i32] * 4 + [i64] + [f32] * registers)
+        d = builder.call(ir.InlineAsm(fn_type, text, constraints + ",~{memory}", side_effect=True),
+                         a + [descriptor] + c)
+        for i, slot in enumerate(slots):
+            builder.store(builder.extract_value(d, i), slot)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _operands_typed(acc, n, a0, a1, a2, a3, tile, index) -> bool:
+    return (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(n, types.IntegerLiteral)
+            and all(isinstance(a, types.Integer) for a in (a0, a1, a2, a3))
+            and _is_words(tile) and isinstance(index, types.Integer))
 
 
 @simulator_twin(wgmma_f16_simulated)
@@ -219,39 +308,23 @@ def wgmma_f16(typingctx, acc, n, a0, a1, a2, a3, tile, index):
     valid only after wgmma_commit_group() and wgmma_wait_group(). n is a compile-time constant,
     a multiple of 8 up to MAX_N (the GEMM issues SHAPES_N, prefill attention 64).
     """
-    if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and isinstance(n, types.IntegerLiteral)
-            and all(isinstance(a, types.Integer) for a in (a0, a1, a2, a3))
-            and _is_words(tile) and isinstance(index, types.Integer)):
+    if not _operands_typed(acc, n, a0, a1, a2, a3, tile, index):
         return None
     width = int(n.literal_value)
     check_width(width)
-    registers = width // 2
+    return types.void(acc, n, a0, a1, a2, a3, tile, index), _wgmma_codegen(width, _DESCRIPTOR_FIXED, 0)
 
-    def codegen(context, builder, sig, args):
-        acc_type, _, *a_types, tile_type, index_type = sig.args
-        acc_v, _, *a_values, tile_v, index_v = args
-        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-        data = context.make_array(acc_type)(context, builder, value=acc_v).data
-        slots = [cgutils.gep(builder, data, i) for i in range(registers)]
-        c = [builder.load(slot) for slot in slots]
-        a = [context.cast(builder, v, t, types.uint32) for v, t in zip(a_values, a_types)]
-        address = shared_address(context, builder, _element_pointer(context, builder, tile_type, tile_v,
-                                                                    index_type, index_v))
-        start = builder.lshr(builder.and_(builder.zext(address, i64), ir.Constant(i64, 0x3FFFF)),
-                             ir.Constant(i64, 4))
-        descriptor = builder.or_(start, ir.Constant(i64, _DESCRIPTOR_FIXED))
-        d_list = ", ".join(f"${i}" for i in range(registers))
-        a_list = ", ".join(f"${registers + i}" for i in range(4))
-        text = ("{ .reg .pred p; setp.ne.b32 p, 1, 0; "
-                f"wgmma.mma_async.sync.aligned.m64n{width}k16.f32.f16.f16 {{{d_list}}}, {{{a_list}}}, "
-                f"${registers + 4}, p, 1, 1, 0; }}")
-        constraints = ",".join(["=f"] * registers + ["r"] * 4 + ["l"] + [str(i) for i in range(registers)])
-        out = ir.LiteralStructType([f32] * registers)
-        fn_type = ir.FunctionType(out, [i32] * 4 + [i64] + [f32] * registers)
-        d = builder.call(ir.InlineAsm(fn_type, text, constraints + ",~{memory}", side_effect=True),
-                         a + [descriptor] + c)
-        for i, slot in enumerate(slots):
-            builder.store(builder.extract_value(d, i), slot)
-        return context.get_dummy_value()
 
-    return types.void(acc, n, a0, a1, a2, a3, tile, index), codegen
+@simulator_twin(wgmma_f16_mn_simulated)
+@intrinsic
+def wgmma_f16_mn(typingctx, acc, n, a0, a1, a2, a3, tile, index, slab_bytes):
+    """wgmma_f16 with B MN-major (16 k rows of n values, 64-wide slabs `slab_bytes` apart; the
+    module docstring has the layout): prefill attention's O += P V, V's keys the k rows. n and
+    slab_bytes are compile-time constants."""
+    if not (_operands_typed(acc, n, a0, a1, a2, a3, tile, index) and isinstance(slab_bytes, types.IntegerLiteral)):
+        return None
+    width = int(n.literal_value)
+    check_width(width)
+    fixed = _descriptor_mn(int(slab_bytes.literal_value))
+    return (types.void(acc, n, a0, a1, a2, a3, tile, index, slab_bytes),
+            _wgmma_codegen(width, fixed, 1))

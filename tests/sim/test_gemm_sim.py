@@ -259,6 +259,7 @@ def test_mma_and_ldmatrix_twins_in_a_simulated_warp():
 
 @pytest.mark.parametrize("n", [64, 128])
 @pytest.mark.parametrize("step", [0, 3])
-def test_wgmma_twin_in_a_simulated_warpgroup(n, step):
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_wgmma_twin_in_a_simulated_warpgroup(n, step, mn_major):
     """The same one-wgmma check tests/test_ptx_wgmma_gpu.py runs on the GPU (wgmma_probe.py)."""
-    check_one_wgmma(n, step)
+    check_one_wgmma(n, step, mn_major)
