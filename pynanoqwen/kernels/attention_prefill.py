@@ -20,7 +20,7 @@ feeds every one of those heads (GQA reuse: at 7B one pass over the pages serves 
 order is reversed (r0 counts down from the end) because later rows see more keys: the longest
 blocks start first. Blocks with r0 >= m exit at once. Warp w < group * query_tile / 16 owns one
 16-row tile: query head g * group + w % group, rows r0 + 16 (w // group)..+15. A padding warp
-takes warp 0's rows, joins its warpgroup's wgmmas and does nothing else (no state, record or store).
+takes warp 0's rows and joins its warpgroup's wgmmas, but keeps no record and stores nothing.
 (The split form below adds grid z, one block per segment.) This module owns what is computed,
 the launch and the split form's records; kernels/attention_prefill_kernels.py builds the kernels.
 
@@ -39,17 +39,22 @@ Per warp, with lane (gid, tid) = (lane // 4, lane % 4) as in ptx/mma.py:
 - Causal mask (only in tiles that reach past the warp's first position): key > row position -> -inf.
   Online softmax in float32: row max over the quad (2 shuffles), rescale the O accumulators and
   the running sum by exp2(old max - new max), P = exp2(S - max).
-- O += P V: the S accumulators of two adjacent key n tiles are exactly the A fragment of one
-  16-key mma step (flash-attention 2's register reuse), packed to FP16 with `cvt.rn.f16x2.f32`;
-  V's B fragments come from `ldmatrix.x4.trans` of the V rows. O is 16 x head_dim: head_dim / 8
-  n tiles, 64 float32 accumulators per lane at head_dim 128.
+- O += P V on `wgmma` too: the S accumulators of two adjacent key n tiles are exactly the A
+  fragment of one 16-key step (flash-attention 2's register reuse; wgmma takes register A as
+  mma.sync does), packed to FP16 with `cvt.rn.f16x2.f32`, all of them before the first of the
+  step's wgmmas. The warpgroup's O is the D of KEY_TILE / 16 `wgmma.m64n{head_dim}k16` with B =
+  the V tile read MN-major (ptx/wgmma.py's wgmma_f16_mn): V is staged exactly as K is, so its
+  key rows are B's k rows. O is 16 x head_dim a warp, 64 float32 accumulators per lane at
+  head_dim 128. A padding warp runs the softmax too, on warp 0's rows, into a state it never
+  stores: a branch around it would put the accumulators' writes on a divergent path, and ptxas
+  then serializes every wgmma of the kernel (C7520; the compile tests fail on it).
 - The row sums stay per-lane partial sums until the end (one quad reduction), then each lane
   writes its half2 words of the rows below m.
 
-Per 64-key tile a warpgroup issues head_dim / 16 wgmma (8 at head_dim 128), and each warp
-head_dim / 2 mma.sync of P V (64), head_dim / 4 ldmatrix.x4.trans and the softmax of its 16 x 64
-scores (the tile loop: 1301 PTX instructions a warp at 7B, with the segment fold that runs once
-in 8 tiles; `python dev/ptx_loop_mix.py "prefill_attention[28/4x128"`).
+Per 64-key tile a warpgroup issues head_dim / 16 wgmma for S (8 at head_dim 128) and 4 for P V,
+and each warp the softmax of its 16 x 64 scores; until 2026-12-07 P V was 64 mma.sync and 16
+ldmatrix.x4.trans a warp and tile (`python dev/ptx_loop_mix.py "prefill_attention[28/4x128"`
+counts the loop: 1082 PTX instructions, 1301 before).
 
 Segments, and the split form. A block walking its keys alone leaves a short chunk over a long
 cache (an /infill whose last line changed: 22 rows over 3984 cached keys) with 8 blocks on 132
@@ -77,19 +82,19 @@ tile (and tells everyone the other stage is free), then tile kt + 1 is issued an
 computed, so the copy of the next tile overlaps this one's arithmetic. Key rows past the block's
 last needed position (min(start + r0 + query_tile, start + m) - 1) are zero-filled by the copy
 (src-size 0) and never read from global memory: garbage there would otherwise reach O through 0 *
-NaN. K chunk c of key r lands at chunk c ^ (r % 8) of its 64-dim slab's 128-byte row (the swizzle
-wgmma reads; the K ring starts at a 1024-byte boundary). V rows are padded from head_dim / 2 to
-head_dim / 2 + 4 words so that the 8 row addresses of one ldmatrix matrix fall in 8 different
-16-byte bank groups (no conflicts). All of it is dynamic shared memory (`shared_bytes`): at
-head_dim 128, 1 KiB of alignment slack + 2 x 64 x (256 + 272) B of rings = 67 KiB, and for the
-whole kernel its running state, 8 warps x 32 lanes x 68 floats = 68 KiB.
+NaN. K and V chunk c of key r land at chunk c ^ (r % 8) of its 64-dim slab's 128-byte row (the
+swizzle wgmma reads, K-major for K and MN-major for V; the rings start at a 1024-byte boundary),
+where the page stores it too (kernels/kv_layout.py), so a copy moves 16 bytes unchanged. All of
+it is dynamic shared memory (`shared_bytes`): at head_dim 128, 1 KiB of alignment slack + 2 x 64
+x (256 + 256) B of rings = 65 KiB, and for the whole kernel its running state, 8 warps x 32
+lanes x 68 floats = 68 KiB.
 
 Cost model (predicted; the measured times are in docs/PERFORMANCE.md, and
 tests/test_attention_prefill_gpu.py prints them).
 The causal work at 7B is 4 * head_dim * num_heads * sum_i (start + i + 1) FLOP per layer
 (`attention_flops`): 1.9 GFLOP at m = 512, 30 GFLOP at m = 2048, 90 GFLOP for a second 2048-row
 chunk (start = 2048), 481 GFLOP for 8192 rows in one pass; the layer's INT4 GEMMs are 0.47 GFLOP
-per row (240 GFLOP at m = 512). Registers: 255 (REGISTER_CAP; 205 used at 7B, nothing
+per row (240 GFLOP at m = 512). Registers: 255 (REGISTER_CAP; 240 used at 7B, nothing
 spilled), so one 8-warp block a SM: latency is hidden by the wgmma running asynchronously and by
 the copy ring, not by a second block. K/V traffic: each block reads its KV head's keys 0..last
 once (512 B per key at head_dim 128, K + V) from L2 mostly: at query tile 16, ~0.8 GB for the
@@ -97,9 +102,10 @@ second 2048-row chunk, well under the L2's bandwidth for that time. Split, a 22-
 3984 keys runs 64 blocks of at most 8 tiles and a merge that reads 61 KiB of records a (row
 block, kv head, segment). Expected: the issue rate, not the tensor pipe, limits it (the
 mma.sync kernel before this one, at 16 warps a SM, was issue- and latency-bound at ~200 TFLOP/s;
-wgmma takes the 32 mma.sync and 16 ldmatrix.x4 of each warp's Q K^T off the issue slots). What it
-reaches is bench's prefill-attention table in docs/PERFORMANCE.md (on an H100, 95 TFLOP/s at 512
-rows, 265-273 from 8k tokens on, against the mma.sync kernel's 52 and 188-201).
+wgmma took the 32 mma.sync and 16 ldmatrix.x4 of each warp's Q K^T off the issue slots, and now
+P V's). What it reaches is bench's prefill-attention table in docs/PERFORMANCE.md (on an H100,
+with P V on mma.sync: 95 TFLOP/s at 512 rows, 265-273 from 8k tokens on, against the all-mma.sync
+kernel's 52 and 188-201).
 """
 
 from __future__ import annotations
