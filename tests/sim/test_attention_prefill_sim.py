@@ -1,4 +1,4 @@
-"""Prefill attention (cp.async ring, Q K^T on wgmma from a swizzled K ring, P V on mma.sync, online
+"""Prefill attention (cp.async ring, Q K^T and P V on wgmma from swizzled K and V rings, online
 softmax) in the CUDA simulator, against a float64 causal softmax attention over the gathered cache.
 
 Tiny shapes: 4 query heads over 2 KV heads (GQA group 2: at query tile 16 two real warps and two
