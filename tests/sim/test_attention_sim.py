@@ -77,23 +77,49 @@ def test_one_fence_variant_matches_softmax_reference(num_splits, stages, consume
     matches_softmax_reference(load_variant().make_decode_attention, num_splits, stages, consumers)
 
 
+@pytest.mark.parametrize("form", ["packed", "S only"])
+def test_packed_halves_variant_matches_softmax_reference(form):
+    """dev/attention_packed_halves.py: q's and P's FP16 remainders in the mma's rows 8..15."""
+    from attention_packed_halves import load_variant
+
+    matches_softmax_reference(load_variant(form).make_decode_attention, 3, 2, 2)
+
+
+def test_packing_only_s_keeps_the_products_bits():
+    """Packing q's remainder into rows 8..15 changes no row of S (each row of D depends on its own
+    row of A alone), so with the product's P V the output is the product's, bit for bit."""
+    from attention_packed_halves import load_variant
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    outputs = []
+    for make in (make_decode_attention, load_variant("S only").make_decode_attention):
+        attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=3, stages=2, consumers=2,
+                         min_pages_per_split=1)
+        outputs.append(launch_case(attention, np.random.default_rng(seed), 40)[0])
+    assert np.array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
+
+
+def launch_case(attention, rng, context):
+    """(attn, float64 reference) of one launch over a fresh random cache of `context` positions."""
+    k_pages, v_pages, page_table = random_cache(rng, context)
+    # Scaled so that the softmax is peaked enough to depend on every score.
+    q = (3.0 * rng.standard_normal((NUM_HEADS, HEAD_DIM))).astype(np.float32)
+    pos = np.array([context - 1], np.int32)
+    out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
+    attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
+                     cuda.to_device(swizzle_rows(v_pages)), cuda.to_device(page_table), cuda.to_device(pos), out)
+    return out.copy_to_host(), reference_attention(q, k_pages, v_pages, page_table, context - 1)
+
+
 def matches_softmax_reference(make, num_splits, stages, consumers):
     rng = np.random.default_rng()
     attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
                      consumers=consumers, min_pages_per_split=1)
-    stream = cuda.stream()
     for context in (1, 5, 16, 17, 40):
-        k_pages, v_pages, page_table = random_cache(rng, context)
-        # Scaled so that the softmax is peaked enough to depend on every score.
-        q = (3.0 * rng.standard_normal((NUM_HEADS, HEAD_DIM))).astype(np.float32)
-        pos = np.array([context - 1], np.int32)
-        out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
-        attention.launch(stream, cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
-                         cuda.to_device(swizzle_rows(v_pages)), cuda.to_device(page_table), cuda.to_device(pos), out)
-        expected = reference_attention(q, k_pages, v_pages, page_table, context - 1)
+        out, expected = launch_case(attention, rng, context)
         # float16 output: 2e-3 is four half-ULPs at 1.0; the float32 math inside is far finer (q and
         # the weights enter the mma as FP16 high parts plus FP16 remainders: ~2^-22 relative).
-        np.testing.assert_allclose(out.copy_to_host().astype(np.float64), expected, rtol=2e-3, atol=2e-3,
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-3, atol=2e-3,
                                    err_msg=f"context {context}, num_splits {num_splits}")
 
 
