@@ -89,12 +89,17 @@ def load_variant(form: str = "packed"):
 
 
 def builders() -> dict:
-    """name -> build(max_pages): the product's kernel and the two packed forms."""
+    """name -> build(max_pages): the product's kernel, the two packed forms, and the packed form at
+    two blocks a SM (twice the splits, half the ring each), which its 185 registers allow (10 warps
+    of 192 fit 65536; the product's 219 do not)."""
     heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
     forms = {form: load_variant(form) for form in FORMS}
     made = {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages)}
     for form, module in forms.items():
         made[form] = lambda max_pages, m=module: m.make_decode_attention(heads, kv_heads, head_dim, max_pages)
+    splits = 2 * forms["packed"].default_num_splits(kv_heads)
+    made["packed, 2 blocks a SM"] = lambda max_pages: forms["packed"].make_decode_attention(
+        heads, kv_heads, head_dim, max_pages, num_splits=splits, stages=forms["packed"].STAGES // 2)
     return made
 
 
