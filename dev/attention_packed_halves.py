@@ -18,10 +18,17 @@ remain.
   key for the accumulators). So O's bits differ from the product's; both are within the bound.
 The "S only" form packs S and keeps the product's P V, which tells the two halves apart.
 
-What it may save: the product's page costs a consumer ~1.3 us (docs/PERFORMANCE.md), and at
-32000 tokens its page phase moves ~2.8 TB/s on the H200 whatever the number of consumers, the
-ring's depth or the bank conflicts, which points at a bound shared by a SM's warps, the tensor
-pipe among them (not profiled). Halving the mma halves that pipe's work.
+What it may save, counted before any run. The product's page costs a consumer ~1.3 us, ~2600
+cycles (docs/PERFORMANCE.md), and at 32000 tokens its page phase moves ~2.8 TB/s on the H200
+whatever the number of consumers (4 or 7), the ring's depth or the bank conflicts: a bound shared
+by a SM's warps or set by its block, not by one consumer's latency (not profiled). The tensor pipe
+is one such bound, but by count a small one: at ~6 cycles a `mma.m16n8k16` a SM sub-partition
+(mma.sync at about two thirds of the dense FP16 rate) a page's 64 take ~380 of those ~2600 cycles.
+So the packed form should change little at long contexts (within a few percent at 32000) and
+shorten a short context's chain a little (a page's P V becomes one mma and an add a dim tile, not
+two dependent mma: ~0.1-0.3 us a launch at 545). Two blocks a SM double what a SM's blocks can
+have in flight and issue (two producers, 8 consumers): if the bound is the block's, the page phase
+gains up to ~1.5-2x at 16384-32000; if it is the SM's (its copy engine, the tensor pipe), nothing.
 
     python dev/attention_packed_halves.py
 """
