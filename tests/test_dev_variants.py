@@ -14,6 +14,7 @@ from numba import cuda
 import attention_cluster_merge
 import attention_one_fence
 import attention_packed_halves
+import attention_page_phase
 import attention_prefill_kernels_tma
 import gemm_k_chunks
 import gemm_mma_sync_large
@@ -30,12 +31,12 @@ from harness import print_table
 from test_kernels_compile import assemble_sm90
 
 VARIANTS = [gemm_mma_sync_large, gemm_wgmma_split_k, gemm_wgmma_tma, gemm_k_chunks, unfused_norm,
-            attention_cluster_merge, attention_one_fence, attention_packed_halves, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain, gemv_group,
+            attention_cluster_merge, attention_one_fence, attention_packed_halves, attention_page_phase, mlp_fused, gemv_bulk_ring, gemv_mma, megakernel_gemv_chain, gemv_group,
             gemv_group_verify]
 TARGETS = (gemm_mma_sync_large.compile_targets() + gemm_wgmma_split_k.compile_targets() + gemm_k_chunks.compile_targets()
            + gemm_wgmma_tma.compile_targets()
            + attention_cluster_merge.compile_targets() + attention_one_fence.compile_targets()
-           + attention_packed_halves.compile_targets()
+           + attention_packed_halves.compile_targets() + attention_page_phase.compile_targets()
            + attention_prefill_kernels_tma.compile_targets()
            + mlp_fused.compile_targets() + gemv_bulk_ring.compile_targets() + gemv_mma.compile_targets()
            + megakernel_gemv_chain.compile_targets() + gemv_group.compile_targets()

@@ -99,6 +99,25 @@ def test_packing_only_s_keeps_the_products_bits():
     assert np.array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
 
 
+@pytest.mark.parametrize("form", ["no P V", "copies only"])
+def test_page_phase_forms_finish_and_write_every_output(form):
+    """dev/attention_page_phase.py's forms leave consumer work out (their values are wrong on
+    purpose) but must keep the ring's handshake: every launch ends and writes every element."""
+    from attention_page_phase import load_variant
+
+    attention = load_variant(form).make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=3,
+                                                         stages=2, consumers=2, min_pages_per_split=1)
+    rng = np.random.default_rng()
+    for context in (5, 40):
+        k_pages, v_pages, page_table = random_cache(rng, context)
+        sentinel = np.float16(12345.0)
+        out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, sentinel, np.float16))
+        attention.launch(cuda.stream(), cuda.to_device(rng.standard_normal((NUM_HEADS, HEAD_DIM)).astype(np.float32)),
+                         cuda.to_device(swizzle_rows(k_pages)), cuda.to_device(swizzle_rows(v_pages)),
+                         cuda.to_device(page_table), cuda.to_device(np.array([context - 1], np.int32)), out)
+        assert not np.any(out.copy_to_host() == sentinel), f"{form}, context {context}: an element not written"
+
+
 def launch_case(attention, rng, context):
     """(attn, float64 reference) of one launch over a fresh random cache of `context` positions."""
     k_pages, v_pages, page_table = random_cache(rng, context)
