@@ -38,11 +38,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+from numba import cuda
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
                      time_decode_attention, variant_compile_target)
+from pynanoqwen.kernels import PAGE_SIZE  # noqa: E402
 from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+from pynanoqwen.oracles import passed  # noqa: E402
+from pynanoqwen.unit_checks import random_attention_case  # noqa: E402
 
 E20, E24, E28 = " " * 20, " " * 24, " " * 28
 S_EDIT = (
@@ -111,8 +117,32 @@ def builders() -> dict:
 
 
 def check(rng):
-    """One split up to every split holding pages, partial last pages; each launched twice."""
-    return check_decode_attention(builders(), (1, 16, 17, 545, 4096, 32768), rng, launches=2)
+    """One split up to every split holding pages, partial last pages; each launched twice. Then S
+    only against the product, bit for bit, on the same inputs: the hardware's mma must keep D's rows
+    apart as the simulator's twin does."""
+    return (check_decode_attention(builders(), (1, 16, 17, 545, 4096, 32768), rng, launches=2)
+            + same_bits_as_product("S only", (17, 545, 4096, 32000), rng))
+
+
+def same_bits_as_product(form: str, contexts: tuple[int, ...], rng) -> list:
+    """Each context's output of `form` and of the product on the same fresh inputs, bit for bit."""
+    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
+    max_pages = -(-max(contexts) // PAGE_SIZE)
+    kernels = [make_decode_attention(heads, kv_heads, head_dim, max_pages),
+               load_variant(form).make_decode_attention(heads, kv_heads, head_dim, max_pages)]
+    results = []
+    for context in contexts:
+        inputs, _, _ = random_attention_case(rng, heads, kv_heads, head_dim, max_pages, context)
+        device = [cuda.to_device(a) for a in inputs]
+        outputs = []
+        for attention in kernels:
+            out = cuda.to_device(np.full(heads * head_dim, np.nan, np.float16))
+            attention.launch(cuda.stream(), *device, out)
+            outputs.append(out.copy_to_host().view(np.uint16))
+        differ = int(np.sum(outputs[0] != outputs[1]))
+        results.append(passed(f"{form} bits = product's, context {context}", differ == 0,
+                              f"{differ} of {outputs[0].size} outputs differ"))
+    return results
 
 
 def timings() -> list[dict]:
