@@ -82,7 +82,7 @@ def test_packed_halves_variant_matches_softmax_reference(form):
     """dev/attention_packed_halves.py: q's and P's FP16 remainders in the mma's rows 8..15."""
     from attention_packed_halves import load_variant
 
-    matches_softmax_reference(load_variant(form).make_decode_attention, 3, 2, 2)
+    matches_softmax_reference(load_variant(form).make_decode_attention, *TINY)
 
 
 def test_packing_only_s_keeps_the_products_bits():
@@ -93,9 +93,7 @@ def test_packing_only_s_keeps_the_products_bits():
     seed = int(np.random.default_rng().integers(1 << 30))
     outputs = []
     for make in (make_decode_attention, load_variant("S only").make_decode_attention):
-        attention = make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=3, stages=2, consumers=2,
-                         min_pages_per_split=1)
-        outputs.append(launch_case(attention, np.random.default_rng(seed), 40)[0])
+        outputs.append(launch_case(tiny(make), np.random.default_rng(seed), 40)[0])
     assert np.array_equal(outputs[0].view(np.uint16), outputs[1].view(np.uint16))
 
 
@@ -105,26 +103,32 @@ def test_page_phase_forms_finish_and_write_every_output(form):
     purpose) but must keep the ring's handshake: every launch ends and writes every element."""
     from attention_page_phase import load_variant
 
-    attention = load_variant(form).make_decode_attention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=3,
-                                                         stages=2, consumers=2, min_pages_per_split=1)
+    attention = tiny(load_variant(form).make_decode_attention)
     rng = np.random.default_rng()
+    sentinel = np.float16(12345.0)
     for context in (5, 40):
-        k_pages, v_pages, page_table = random_cache(rng, context)
-        sentinel = np.float16(12345.0)
-        out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, sentinel, np.float16))
-        attention.launch(cuda.stream(), cuda.to_device(rng.standard_normal((NUM_HEADS, HEAD_DIM)).astype(np.float32)),
-                         cuda.to_device(swizzle_rows(k_pages)), cuda.to_device(swizzle_rows(v_pages)),
-                         cuda.to_device(page_table), cuda.to_device(np.array([context - 1], np.int32)), out)
-        assert not np.any(out.copy_to_host() == sentinel), f"{form}, context {context}: an element not written"
+        out, _ = launch_case(attention, rng, context, poison=sentinel)
+        assert not np.any(out == sentinel), f"{form}, context {context}: an element not written"
 
 
-def launch_case(attention, rng, context):
-    """(attn, float64 reference) of one launch over a fresh random cache of `context` positions."""
+TINY = (3, 2, 2)  # num_splits, stages, consumers of the variants' simulator tests
+
+
+def tiny(make):
+    """A kernel of `make` at the simulator's shapes and TINY's launch, one page a split."""
+    num_splits, stages, consumers = TINY
+    return make(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_PAGES, num_splits=num_splits, stages=stages,
+                consumers=consumers, min_pages_per_split=1)
+
+
+def launch_case(attention, rng, context, poison=np.nan):
+    """(attn, float64 reference) of one launch over a fresh random cache of `context` positions,
+    attn's buffer filled with `poison` before the launch."""
     k_pages, v_pages, page_table = random_cache(rng, context)
     # Scaled so that the softmax is peaked enough to depend on every score.
     q = (3.0 * rng.standard_normal((NUM_HEADS, HEAD_DIM))).astype(np.float32)
     pos = np.array([context - 1], np.int32)
-    out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, np.nan, np.float16))
+    out = cuda.to_device(np.full(NUM_HEADS * HEAD_DIM, poison, np.float16))
     attention.launch(cuda.stream(), cuda.to_device(q), cuda.to_device(swizzle_rows(k_pages)),
                      cuda.to_device(swizzle_rows(v_pages)), cuda.to_device(page_table), cuda.to_device(pos), out)
     return out.copy_to_host(), reference_attention(q, k_pages, v_pages, page_table, context - 1)
