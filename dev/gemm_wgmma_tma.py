@@ -72,7 +72,7 @@ from pynanoqwen.config import GROUP_SIZE
 from pynanoqwen.kernels import CompileTarget
 from pynanoqwen.kernels.gemm_int4 import _weights
 from pynanoqwen.kernels.gemm_int4_tiles import TILE_NAMES, WG2_T128, default_tiles_for, k_chunks
-from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, stage_fill
+from pynanoqwen.kernels.gemm_int4_tma import TensorMaps, stage_fill, tma_signature
 from pynanoqwen.kernels.gemm_int4_wgmma import K_TILE, TILES_PER_GROUP, W_ROW_WORDS, X_ROW_WORDS, WgmmaTile, \
     check_chunks, tile_epilogue, tile_multiply
 from pynanoqwen.kernels.int4_unpack import HIGH_NIBBLES, LOW_NIBBLES, MINUS_72, MINUS_1032, ONE, ONE_SIXTEENTH, \
@@ -135,7 +135,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
         wait for its boxes, unpack, issue its wgmmas, and release the stage of kt - 1, whose wgmmas
         wait_group(1) has just seen done."""
         if LANE_PRODUCER and cuda.threadIdx.x == 0 and kt + U(AHEAD) < U(K_TILES):
-            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), U(0), m0, n0)
+            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), m0, n0)
         stage = kt % U(STAGES)
         mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
         word = ring + stage * U(STAGE_WORDS)
@@ -172,12 +172,12 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
             if tid % U(32) == U(0):
                 acquire_maps(x_map, w_map0, w_map1)
                 for kt in range(K_TILES):
-                    fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), U(0), m0, n0)
+                    fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
             return
         if LANE_PRODUCER and tid == U(0):
             acquire_maps(x_map, w_map0, w_map1)
             for kt in range(min(AHEAD, K_TILES)):
-                fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), U(0), m0, n0)
+                fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
         maps = (x_map, w_map0, w_map1)
 
         a_even = cuda.local.array(16, uint32)
@@ -238,13 +238,6 @@ def tma_gemm_kernel(n: int, k: int, tiles: WgmmaTile, epilogue: str, chunks: int
 def threads(tiles: WgmmaTile, lane_lag: int | None = None) -> int:
     """The block: the warpgroups, then the producer warp unless thread 0 produces."""
     return tiles.threads + (0 if lane_lag is not None else 32)
-
-
-def signature(out=types.float32):
-    """The Numba signature of this file's kernels: the product's (gemm_int4_tma.tma_signature) without
-    its unit form's counters."""
-    maps, bits = types.uint64[::1], types.uint16[::1]
-    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1], types.float32[::1])
 
 
 class TmaGemm:
@@ -369,7 +362,7 @@ def compile_targets() -> list[CompileTarget]:
             targets.append(CompileTarget(f"gemm_tma_{producer}_{epilogue}_{label}[{name} {n}x{k}]",
                                          tma_gemm_kernel(n, k, tiles, epilogue, k_chunks(k, tiles, epilogue),
                                                          lane_lag),
-                                         signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
+                                         tma_signature(types.float16 if epilogue == "gate_up_silu" else types.float32),
                                          feed, cc=(9, 0, "a")))
     return targets
 

@@ -14,8 +14,7 @@ right after it ran (backends.GpuEngine.probed_step, probed_prefill):
 - prefill: PREFILL_TOKENS random tokens (fewer if the context is shorter) as one chunk (the
   32-row bucket: a wgmma GEMM tile, kernels/gemm_int4_tiles.default_tiles_for), then the first
   token; then the same chunk in each bucket that launches GEMM kernels the ones before did not
-  (longer prompts run other tiles: the TMA-fed kernel from 512 rows at 7B, down_proj's unit form
-  from 1152 rows on 132 SMs, gemm_int4_tma.py), among the buckets the
+  (longer prompts run other tiles: the TMA-fed kernel from 512 rows at 7B), among the buckets the
   prompt will use (`generate`) or all of them (`serve`, `validate`): GpuEngine.probe_buckets. Where
   the model's linears sum a row alike at every bucket (gemm_int4_tiles.rows_sum_alike, which the
   prefix cache relies on), every output of such a chunk must be bit for bit the float64-checked

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
-SCRIPTS = ["attention_merge_bound.py", "attention_splits.py", "attention_timeline.py", "gemm_chunk_units.py", "gemv_plans.py", "gemv_residency.py", "gemv_timeline.py", "l2_prefetch_decode.py",
+SCRIPTS = ["attention_merge_bound.py", "attention_splits.py", "attention_timeline.py", "gemv_plans.py", "gemv_residency.py", "gemv_timeline.py", "l2_prefetch_decode.py",
            "prefill_stages.py", "profile_one.py", "ptx_loop_mix.py", "stream_read.py"]
 
 

@@ -555,19 +555,16 @@ def test_the_prefill_workspaces_are_counted():
     assert with_prefill["workspaces"] - without["workspaces"] == attention + gemm
 
 
-def test_the_self_check_probes_the_buckets_a_prompt_uses(monkeypatch):
-    """probe_buckets (no GPU, as if on 132 SMs): the probe's own bucket, then those of the prompt's
-    chunks (every bucket for serve) that launch GEMM kernels or forms it does not; an engine
-    without batched prefill leaves probed_prefill to say why no chunk runs."""
-    from pynanoqwen.engine import probes
-
-    monkeypatch.setattr(probes, "sm_count", lambda: 132)
+def test_the_self_check_probes_the_buckets_a_prompt_uses():
+    """probe_buckets (no GPU): the probe's own bucket, then those of the prompt's chunks (every
+    bucket for serve) that launch GEMM kernels it does not; an engine without batched prefill
+    leaves probed_prefill to say why no chunk runs."""
     backend = CudaBackend.__new__(CudaBackend)
     backend.prefill_buckets, backend.config = prefill_buckets(32768), SEVEN_B
-    assert backend.probe_buckets(24) == [32, 128, 256, 512, 1024, 1152]  # 1152: down_proj's unit form
+    assert backend.probe_buckets(24) == [32, 128, 256, 512, 1024]
     assert backend.probe_buckets(24, 24) == [32]
     assert backend.probe_buckets(24, 600) == [32, 640]  # one chunk in 640 rows: the 128-token tiles
-    assert backend.probe_buckets(24, 5000) == [32, 1024, 2048]  # 2048 + 2048 + 904 (in 1024 rows): the TMA tiles
+    assert backend.probe_buckets(24, 5000) == [32, 1024]  # 2048 + 2048 + 904 (in 1024 rows): the TMA tiles
     backend.prefill_buckets = ()
     assert backend.probe_buckets(24) == [None]
 

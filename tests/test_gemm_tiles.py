@@ -34,20 +34,3 @@ def test_every_model_sums_a_row_alike_at_every_bucket(preset):
     from pynanoqwen.kernels.gemm_int4_tiles import rows_sum_alike
 
     assert rows_sum_alike(PRESETS[preset].engine_linears, PREFILL_BUCKETS)
-
-
-def test_the_tma_kernel_runs_a_block_a_k_chunk_where_that_fills_the_last_wave():
-    """gemm_int4_tma.runs_chunk_units at 7B's down_proj (4 K chunks, 28 column tiles of 128 rows) on
-    132 SMs: from 1152 rows its tiles take two waves, and chunks a block end sooner; up to 1024 rows
-    its tiles take one wave, which quarter-tiles cannot shorten; one chunk never."""
-    from pynanoqwen.kernels.gemm_int4_tiles import k_chunks
-    from pynanoqwen.kernels.gemm_int4_tma import TMA_T256, runs_chunk_units
-
-    n, k = 3584, 18944
-    chunks = k_chunks(k, TMA_T256, "residual")
-    assert chunks == 4
-    tiles = {rows: -(-rows // TMA_T256.tokens) * (n // TMA_T256.block_n) for rows in (1024, 1152, 1536, 2048)}
-    assert tiles == {1024: 112, 1152: 140, 1536: 168, 2048: 224}
-    assert {rows: runs_chunk_units(count, chunks, 132) for rows, count in tiles.items()} == \
-        {1024: False, 1152: True, 1536: True, 2048: True}
-    assert not runs_chunk_units(224, 1, 132)

@@ -183,39 +183,31 @@ def test_a_bucket_whose_kernels_differ_is_named(tiny_file):
 
 
 def test_the_probed_buckets_launch_every_gemm_kernel_of_every_bucket():
-    """covering_rows, which probe_buckets takes: the chosen buckets' launches (linear, tile, K
-    chunks, unit form on 132 SMs) include every bucket's, and each chosen bucket adds one; at 7B
-    the long-prompt tiles (TMA-fed from 512 rows for gate_up, 1024 for qkv, o_proj and down_proj)
-    are among them, and so is down_proj's unit form (from 1152 rows)."""
+    """covering_rows, which probe_buckets takes: the chosen buckets' (linear, tile, K chunks)
+    include every bucket's, and each chosen bucket adds one; at 7B the long-prompt tiles (TMA-fed
+    from 512 rows for gate_up, 1024 for qkv, o_proj and down_proj) are among them."""
     from pynanoqwen.config import PRESETS
     from pynanoqwen.engine.memory import PREFILL_BUCKETS
     from pynanoqwen.kernels.gemm_int4_tiles import TMA_T256, covering_rows, default_tiles_for, k_chunks
-    from pynanoqwen.kernels.gemm_int4_tma import runs_chunk_units
 
     def kernels(linears, m):
-        launches = set()
-        for name, n, k, epilogue in linears:
-            tiles = default_tiles_for(m, n, k, epilogue)
-            chunks = k_chunks(k, tiles, epilogue)
-            grid = tiles.grid(m, n, 2 if epilogue == "gate_up_silu" else 1)
-            launches.add((name, tiles, chunks, tiles == TMA_T256 and runs_chunk_units(grid[0] * grid[1], chunks, 132)))
-        return launches
+        return {(name, tiles, k_chunks(k, tiles, epilogue))
+                for name, n, k, epilogue in linears for tiles in [default_tiles_for(m, n, k, epilogue)]}
 
     for preset in ("0.5b", "7b", "32b"):
         linears = PRESETS[preset].engine_linears
         ms = [m for m in PREFILL_BUCKETS if m >= 24]
-        chosen = covering_rows(linears, ms, 132)
+        chosen = covering_rows(linears, ms)
         assert chosen == sorted(chosen) and chosen[0] == ms[0]
         union = set().union(*(kernels(linears, m) for m in chosen))
         assert all(kernels(linears, m) <= union for m in ms)
         for i, m in enumerate(chosen[1:], 1):  # none is there for nothing
             assert kernels(linears, m) - set().union(*(kernels(linears, c) for c in chosen[:i]))
     linears = PRESETS["7b"].engine_linears
-    chosen = covering_rows(linears, [m for m in PREFILL_BUCKETS if m >= 24], 132)
-    assert {name for m in chosen for name, tiles, _, _ in kernels(linears, m) if tiles == TMA_T256} == \
+    chosen = covering_rows(linears, [m for m in PREFILL_BUCKETS if m >= 24])
+    assert {name for m in chosen for name, tiles, _ in kernels(linears, m) if tiles == TMA_T256} == \
         {"qkv", "o_proj", "gate_up", "down_proj"}
-    assert 1152 in chosen and ("down_proj", TMA_T256, 4, True) in kernels(linears, 1152)
-    assert covering_rows(linears, [32, 64], 132) == [32]
+    assert covering_rows(linears, [32, 64]) == [32]
 
 
 def test_generate_runs_the_self_check_on_the_gpu_only_unless_skipped(tiny_file, monkeypatch):

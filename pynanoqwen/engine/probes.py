@@ -21,7 +21,6 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ..device import sm_count
 from ..errors import NanoQwenError
 from ..kernels import PAGE_SIZE
 from ..kernels.gemm_int4_tiles import covering_rows
@@ -184,7 +183,7 @@ class EngineProbes:
 
     def probe_buckets(self, probe_tokens: int, prompt_tokens: int | None = None) -> list[int]:
         """The buckets the self-check runs its chunk of probe_tokens in: the probe's own, then
-        those that launch GEMM kernels or forms it does not (gemm_int4_tiles.covering_rows), among the
+        those that launch GEMM kernels it does not (gemm_int4_tiles.covering_rows), among the
         buckets a prompt of prompt_tokens runs its chunks in (None: every bucket, as serve
         prepares them all). Buckets smaller than the probe are left out: up to 64 rows every
         linear runs the tiles of the probe's bucket (default_tiles_for)."""
@@ -194,8 +193,7 @@ class EngineProbes:
             {self._bucket(m) for _, m, _ in self._chunks(prompt_tokens, "argmax")}
         first = self._bucket(probe_tokens)
         ms = {first} | {rows for rows in used if rows >= probe_tokens}
-        covering = covering_rows(self.config.engine_linears, ms, sm_count())
-        return [first] + [rows for rows in covering if rows != first]
+        return [first] + [rows for rows in covering_rows(self.config.engine_linears, ms) if rows != first]
 
     def _probe(self, launches: list[Launch], positions: int, row_views=(), rows: int = 0) -> dict:
         """Run `launches` one by one, copying each one's writes to the host as it finishes."""

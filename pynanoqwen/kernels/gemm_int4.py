@@ -95,7 +95,7 @@ from ..ptx.mma import SHARED_ALIGNMENT, cp_async_16, cp_async_commit_group, cp_a
 from . import CompileTarget, on_device
 from .gemm_int4_tiles import A_ROW_WORDS, B_ROW_WORDS, K_TILE, SMALL, TILE_NAMES, \
     TILES_PER_GROUP, WG1_T64, WG1_T128, WG2_T128, WG2_T256, TileShape, default_tiles_for, k_chunks, matrices_of
-from .gemm_int4_tma import TMA_T256, TensorMaps, TmaTile, runs_chunk_units, tma_gemm_kernel
+from .gemm_int4_tma import TensorMaps, TmaTile, tma_gemm_kernel
 from .gemm_int4_wgmma import WgmmaTile, has_split_form, wgmma_gemm_kernel
 from .int4_unpack import unpack8
 
@@ -317,16 +317,14 @@ class GemmTiling:
             raise ValueError(f"out must be {self.out_dtype} [>= {m}, {self.n}], got {out.dtype} {tuple(out.shape)}")
         if m < 1:
             return
-        grid = tiles.grid(m, self.n, self.matrices)
+        grid = (-(-m // tiles.block_m), self.n // (tiles.block_n // self.matrices))
         if isinstance(tiles, TmaTile):  # X and W through tensor maps, made once each (gemm_int4_tma.TensorMaps)
             if tiles not in self.tensor_maps:
                 self.tensor_maps[tiles] = TensorMaps(self.n, self.k, tiles, [q0, q1][:self.matrices])
             maps = self.tensor_maps[tiles]
-            tile_count = grid[0] * grid[1]
-            units = tile_count * chunks if runs_chunk_units(tile_count, chunks, sm_count()) else 0
-            launch(kernel, (units,) if units else grid, tiles.threads, stream,
-                   (maps.x(x, m), U(m), maps.weights[0], s0, maps.weights[-1], s1, bias, out.reshape(out.size),
-                    maps.chunk_totals(grid, chunks, workspace), maps.unit_counters(tile_count, workspace), U(units)),
+            launch(kernel, grid, tiles.threads, stream, (maps.x(x, m), U(m), maps.weights[0], s0, maps.weights[-1], s1,
+                                                         bias, out.reshape(out.size),
+                                                         maps.chunk_totals(grid, chunks, workspace)),
                    tiles.dynamic_shared_bytes, dependent=False)
             return
         # Too few blocks for the SMs: each takes one K chunk (the split form, same bits).
@@ -344,22 +342,19 @@ class SplitWorkspace:
     "K chunks"), the chunk sums of up to `rows` token rows x `n` outputs, and one arrival counter a
     block tile, zero between launches (the last block of a tile resets its own); and the TMA
     kernel's running totals (gemm_int4_tma.py, "K chunks") of up to `total_rows` rows, in the same
-    words, and its unit form's counters in the same counters. Its owner passes it to every GEMM
-    launch of a stream (dev/gemm_k_chunks.py; the engine's prefill buffers, engine/buffers.py);
-    launches on one stream run one at a time, so they share it. Without one a wgmma GEMM runs its
-    sequential form, with the same bits, and a TMA GEMM makes its own totals and counters."""
+    words. Its owner passes it to every GEMM launch of a stream (dev/gemm_k_chunks.py; the engine's
+    prefill buffers, engine/buffers.py); launches on one stream run one at a time, so they share
+    it. Without one a wgmma GEMM runs its sequential form, with the same bits, and a TMA GEMM
+    makes its own totals."""
 
     def __init__(self, rows: int, n: int, chunks: int, stream=0, total_rows: int = 0):
         self.rows, self.n, self.chunks = rows, n, chunks
         self.partials = cuda.device_array(self.words(rows, n, chunks, total_rows), np.float32, stream=stream)
-        self.counters = cuda.to_device(np.zeros(self.counter_count(rows, n, total_rows), np.uint32), stream=stream)
+        self.counters = cuda.to_device(np.zeros(self.counter_count(rows, n), np.uint32), stream=stream)
 
     @staticmethod
-    def counter_count(rows: int, n: int, total_rows: int = 0) -> int:
-        """The split form's counters (one a block tile of the 64-token tiles), or the TMA kernel's
-        unit form's (TensorMaps.unit_counters) at total_rows, whichever are more."""
-        token_tiles, column_tiles = TMA_T256.grid(total_rows, n, 1)
-        return max(max(1, rows // 16) * max(1, n // 64), 1 + token_tiles * column_tiles)
+    def counter_count(rows: int, n: int) -> int:
+        return max(1, rows // 16) * max(1, n // 64)
 
     @staticmethod
     def words(rows: int, n: int, chunks: int, total_rows: int = 0) -> int:
@@ -368,7 +363,7 @@ class SplitWorkspace:
     @classmethod
     def nbytes(cls, rows: int, n: int, chunks: int, total_rows: int = 0) -> int:
         """Device bytes of a workspace of this size (engine/memory.py counts it before allocating)."""
-        return 4 * cls.words(rows, n, chunks, total_rows) + 4 * cls.counter_count(rows, n, total_rows)
+        return 4 * cls.words(rows, n, chunks, total_rows) + 4 * cls.counter_count(rows, n)
 
     def fits(self, grid: tuple[int, int], block_m: int, n: int, chunks: int) -> bool:
         return grid[0] * block_m <= self.rows and n <= self.n and chunks <= self.chunks \

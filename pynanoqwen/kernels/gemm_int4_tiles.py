@@ -14,7 +14,7 @@ import dataclasses
 
 from ..config import GROUP_SIZE
 from ..device import STATIC_SHARED_BYTES
-from .gemm_int4_tma import TMA_T256, TmaTile, runs_chunk_units
+from .gemm_int4_tma import TMA_T256
 from .gemm_int4_wgmma import GemmTile, WgmmaTile, check_chunks
 
 K_TILE = 32  # k per pipeline stage: one packed word per weight row, two mma k steps
@@ -132,24 +132,14 @@ def rows_sum_alike(linears, ms) -> bool:
                for _, n, k, epilogue in linears)
 
 
-def default_launch(m: int, n: int, k: int, epilogue: str, sms: int) -> tuple:
-    """(tile, K chunks, unit form) of a linear's launch at M rows on a GPU of `sms` SMs: the
-    kernel its default tile compiles to, and whether the TMA kernel runs it a block a (tile, K
-    chunk) (gemm_int4_tma.runs_chunk_units, as gemm_int4's launcher decides)."""
-    tiles = default_tiles_for(m, n, k, epilogue)
-    chunks = k_chunks(k, tiles, epilogue)
-    token_tiles, column_tiles = tiles.grid(m, n, matrices_of(epilogue))
-    return tiles, chunks, isinstance(tiles, TmaTile) and runs_chunk_units(token_tiles * column_tiles, chunks, sms)
-
-
-def covering_rows(linears, ms, sms: int) -> list[int]:
-    """Ms of `ms`, ascending, whose default launches between them run every GEMM kernel and form
-    (a linear's default_launch on `sms` SMs) that any M in ms runs: each M whose launches include
-    one not run by a smaller M already chosen. The self-check probes a prefill chunk at each
-    (selfcheck.py)."""
+def covering_rows(linears, ms) -> list[int]:
+    """Ms of `ms`, ascending, whose default tiles between them run every GEMM kernel (a linear's
+    tile and K chunks) that any M in ms runs: each M whose kernels include one not run by a
+    smaller M already chosen. The self-check probes a prefill chunk at each (selfcheck.py)."""
     chosen, seen = [], set()
     for m in sorted(ms):
-        kernels = {(name,) + default_launch(m, n, k, epilogue, sms) for name, n, k, epilogue in linears}
+        kernels = {(name, tiles, k_chunks(k, tiles, epilogue))
+                   for name, n, k, epilogue in linears for tiles in [default_tiles_for(m, n, k, epilogue)]}
         if kernels - seen:
             chosen.append(m)
             seen |= kernels

@@ -46,23 +46,6 @@ loads four before it stores (`fold`), which took 509.1 us: the word-at-a-time fo
 cost (docs/PERFORMANCE.md, "2026-12-06, night"). The launcher gets the workspace from its caller (the engine's
 gemm_int4.SplitWorkspace) or makes its own at the first launch of an M that needs more.
 
-The unit form. One block a tile leaves the last wave's SMs idle: at 2048 rows down_proj's 224
-tiles are 1.70 waves of 132 SMs, and its tensor pipe was busy 57.8% of the time against gate_up's
-67.0% on the same tile at 18 waves, 0.86 of it, its fill being 0.85 (Nsight Compute,
-docs/PERFORMANCE.md). So where chunks fill the SMs better (runs_chunk_units), the grid is one block
-a (tile, K chunk), 896 at 2048 rows: 6.8 waves of quarter tiles. Thread 0 takes a ticket from a
-counter (atomic add), unit u being chunk u % CHUNKS of tile u // CHUNKS, the tiles in the grid's
-order; the block sums its chunk from zero, as the loop above does after each fold, then waits
-until the tile's counter says the chunks before it are folded, folds its own (the same `fold`, so
-((c0 + c1) + c2) + c3 and the same bits), and advances the counter; the last chunk's block adds the
-epilogue. A block waits only for smaller tickets, taken by blocks already running, so the waits
-end (the simulator, running blocks one after another, needs the same). Publishing is the split
-form's (gemm_int4_wgmma.py): every thread fences its stores of the total before the barrier and
-thread 0's atomic; the waiting thread 0 polls with atomic adds of 0, then fences, and the block
-reads the total through L2. The last ticket's block and each tile's last chunk set their counters
-back to 0, so a graph replays the launch. A chunk costs its block the ring's ramp a tile
-computed once.
-
 Tensor maps (ptx/tensor_copy.py). W's maps are made once per GEMM object; X's per (buffer, M),
 because a map holds the address and the row count: `TensorMaps` keeps them. Making one copies 128
 bytes to the device synchronously, which a stream being captured forbids, so the first launch of a
@@ -116,11 +99,10 @@ TMA_T256 = TmaTile(2, 256)  # 128 weight rows x 256 tokens: the one the product 
 
 @functools.cache
 def stage_fill(tiles: WgmmaTile, matrices: int):
-    """fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, k0, m0, n0): k tile k0 + kt's boxes
-    (X's, then W's COLS rows, then for gate/up the same rows of W1) into stage kt % STAGES of the ring
-    at shared word `ring`, once every thread has released that stage's previous fill (`empty`),
-    their bytes completing on `full`: kt counts the block's own k tiles, from the first of its K
-    range k0. Shared with dev/gemm_wgmma_tma.py's other producers."""
+    """fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0): k tile kt's boxes (X's, then
+    W's COLS rows, then for gate/up the same rows of W1) into stage kt % STAGES of the ring at shared
+    word `ring`, once every thread has released that stage's previous fill (`empty`), their bytes
+    completing on `full`. Shared with dev/gemm_wgmma_tma.py's other producers."""
     TOKENS, ROWS, STAGES = tiles.tokens, tiles.block_n, tiles.stages
     COLS = ROWS // matrices
     X_STAGE_WORDS = TOKENS * X_ROW_WORDS
@@ -129,19 +111,18 @@ def stage_fill(tiles: WgmmaTile, matrices: int):
     GATE_UP = matrices == 2
 
     @cuda.jit(device=True, inline="always")
-    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, k0, m0, n0):
+    def fill(x_map, w_map0, w_map1, tile, ring, full, empty, kt, m0, n0):
         stage = kt % U(STAGES)
         # Fill kt // STAGES of this stage needs the release of the fill before; in the first round
         # parity 1 names the phase before phase 0, which counts as complete.
         mbarrier_wait(empty, stage, ((kt // U(STAGES)) & U(1)) ^ U(1))
         mbarrier_arrive_expect_tx(full, stage, U(STAGE_BYTES))
         word = ring + stage * U(STAGE_WORDS)
-        k_tile = k0 + kt
-        tensor_copy_2d(tile, word, x_map, k_tile * U(K_TILE), m0, full, stage)
-        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, k_tile * U(W_ROW_WORDS), n0, full, stage)
+        tensor_copy_2d(tile, word, x_map, kt * U(K_TILE), m0, full, stage)
+        tensor_copy_2d(tile, word + U(X_STAGE_WORDS), w_map0, kt * U(W_ROW_WORDS), n0, full, stage)
         if GATE_UP:  # the up rows after the gate rows
-            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, k_tile * U(W_ROW_WORDS), n0,
-                           full, stage)
+            tensor_copy_2d(tile, word + U(X_STAGE_WORDS + COLS * W_ROW_WORDS), w_map1, kt * U(W_ROW_WORDS), n0, full,
+                           stage)
 
     return fill
 
@@ -153,49 +134,12 @@ def quad_sums(totals, at, acc, c):
     return float32(t0 + acc[c]), float32(t1 + acc[c + 1]), float32(t2 + acc[c + 2]), float32(t3 + acc[c + 3])
 
 
-TICKET = 0  # counters[TICKET]: the unit form's next unit; counters[1 + tile]: the tile's K chunks folded
-
-
-@cuda.jit(device=True, inline="always")
-def take_ticket(counters, units):
-    """Thread 0 of a block of the unit form: the block's unit, in the order blocks take them; the
-    last of the launch's `units` tickets sets the count back to 0 for the next launch."""
-    ticket = cuda.atomic.add(counters, TICKET, U(1))
-    if ticket == units - U(1):
-        cuda.atomic.exch(counters, TICKET, U(0))
-    return ticket
-
-
-@cuda.jit(device=True, inline="always")
-def wait_for_chunk(counters, block, chunk):
-    """The unit form: wait until the tile's chunks before `chunk` are folded into its total (by
-    blocks whose tickets, being smaller, were taken by blocks already running)."""
-    if cuda.threadIdx.x == 0:
-        while cuda.atomic.add(counters, U(1) + block, U(0)) != chunk:
-            pass
-        cuda.threadfence()
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True, inline="always")
-def pass_chunk(counters, block, chunk, chunks):
-    """The unit form, after this unit's fold: publish the total for the tile's next chunk, or,
-    after the last chunk, set the tile's count back to 0 for the next launch."""
-    cuda.threadfence()  # this thread's stores of the total, before the count that publishes them
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        cuda.atomic.exch(counters, U(1) + block, (chunk + U(1)) % U(chunks))
-
-
 @functools.cache
 def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int = 1):
-    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, totals, counters, units): out[:m] (+)=
-    X W^T with gemm_int4's epilogues, X and W (and up's W1) through their tensor maps (TensorMaps),
-    s* the scale bits, K summed in `chunks` fixed chunks whose running total lives in `totals`
-    (float32, totals_words(grid, tiles) of them; read by nothing in one chunk). units 0: a block a
-    tile (grid: token tiles x column tiles); else the unit form, a block a (tile, K chunk), `units`
-    of them in a 1-D grid, counting in `counters` (uint32, 0 between launches: 1 + tiles of them;
-    "K chunks" above)."""
+    """tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias, out, totals): out[:m] (+)= X W^T with
+    gemm_int4's epilogues, X and W (and up's W1) through their tensor maps (TensorMaps), s* the
+    scale bits, K summed in `chunks` fixed chunks whose running total lives in `totals` (float32,
+    totals_words(grid, tiles) of them; read by nothing in one chunk)."""
     matrices = 2 if epilogue == "gate_up_silu" else 1
     tiles.check(matrices)
     check_chunks(k, tiles, epilogue, chunks)
@@ -216,13 +160,12 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
     QUAD = 4 * THREADS  # words between a thread's consecutive quads of accumulators in `totals`
 
     @cuda.jit(device=True, inline="always")
-    def step(maps, tile, ring, full, empty, kt, k0, k_tiles, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a, acc,
-             acc_high):
-        """The block's k tile kt (of k_tiles, from k tile k0): (thread 0: refill the stage two tiles
-        back with tile kt + AHEAD) wait for its boxes, unpack, issue its wgmmas, and release the
-        stage of kt - 1, whose wgmmas wait_group(1) has just seen done."""
-        if cuda.threadIdx.x == 0 and kt + U(AHEAD) < k_tiles:
-            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), k0, m0, n0)
+    def step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a, acc, acc_high):
+        """k tile kt: (thread 0: refill the stage two tiles back with tile kt + AHEAD) wait for its
+        boxes, unpack, issue its wgmmas, and release the stage of kt - 1, whose wgmmas
+        wait_group(1) has just seen done."""
+        if cuda.threadIdx.x == 0 and kt + U(AHEAD) < U(K_TILES):
+            fill(maps[0], maps[1], maps[2], tile, ring, full, empty, kt + U(AHEAD), m0, n0)
         stage = kt % U(STAGES)
         mbarrier_wait(full, stage, (kt // U(STAGES)) & U(1))
         word = ring + stage * U(STAGE_WORDS)
@@ -236,7 +179,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
         return bits | (bits << U(16))
 
     @cuda.jit(device=True, inline="always")
-    def fold(totals, block, acc, half, first, last):
+    def fold(totals, acc, half, first, last):
         """The end of a K chunk, for one half of the tile's tokens: the first chunk's sums are
         stored, each middle one's added to what is stored, and at the last the stored total is
         added to acc instead: ((c0 + c1) + c2) + c3 in float32, the cp.async kernel's order.
@@ -247,6 +190,7 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
         ~5-7 us a call more at 2048 rows (docs/PERFORMANCE.md). The three cases are three loops,
         not one loop that branches a quad: that form compiled to 255 registers and 280 bytes of
         spills (ptxas, sm_90a)."""
+        block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
         base = (block * U(HALVES) + U(half)) * U(ACCUMULATORS * THREADS) + U(4) * U(cuda.threadIdx.x)
         if first:
             for c in range(0, ACCUMULATORS, 4):
@@ -269,13 +213,14 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
     # .maxntid: ptxas may then give each of the 256 threads up to 255 registers (the 256-token tile
     # takes ~200). The simulator takes no launch bounds.
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
-    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out, totals, counters, units):
+    def tma_gemm(x_map, m, w_map0, s0, w_map1, s1, bias_values, out, totals):
         tile = cuda.shared.array(0, uint32)
         full = cuda.shared.array(STAGES, uint64)
         empty = cuda.shared.array(STAGES, uint64)
-        unit = cuda.shared.array(1, uint32)  # the unit form's ticket, thread 0's to the block
         tid = U(cuda.threadIdx.x)
         m = U(m)
+        m0 = U(cuda.blockIdx.x) * U(TOKENS)
+        n0 = U(cuda.blockIdx.y) * U(COLS)
         base = shared_byte_address(tile, U(0))
         ring = ((U(SWIZZLE_ATOM_BYTES) - base % U(SWIZZLE_ATOM_BYTES)) % U(SWIZZLE_ATOM_BYTES)) // U(4)
         if tid == U(0):
@@ -287,28 +232,10 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
             acquire_tensor_map(w_map0)
             if GATE_UP:
                 acquire_tensor_map(w_map1)
-            if CHUNKS > 1 and units:
-                unit[0] = take_ticket(counters, units)
         cuda.syncthreads()
-        if CHUNKS > 1 and units:  # one K chunk of one tile: tiles in the order of the block grid
-            block = unit[0] // U(CHUNKS)
-            first_chunk = unit[0] % U(CHUNKS)
-            end_chunk = first_chunk + U(1)
-            token_tiles = (m + U(TOKENS - 1)) // U(TOKENS)
-            m0 = block % token_tiles * U(TOKENS)
-            n0 = block // token_tiles * U(COLS)
-        else:
-            block = U(cuda.blockIdx.y) * U(cuda.gridDim.x) + U(cuda.blockIdx.x)
-            first_chunk, end_chunk = U(0), U(CHUNKS)
-            m0 = U(cuda.blockIdx.x) * U(TOKENS)
-            n0 = U(cuda.blockIdx.y) * U(COLS)
-        first_group = first_chunk * U(GROUPS) // U(CHUNKS)
-        k0 = first_group * U(TILES_PER_GROUP)
-        k_tiles = (end_chunk * U(GROUPS) // U(CHUNKS) - first_group) * U(TILES_PER_GROUP)
         if tid == U(0):
             for kt in range(min(AHEAD, K_TILES)):
-                if U(kt) < k_tiles:
-                    fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), k0, m0, n0)
+                fill(x_map, w_map0, w_map1, tile, ring, full, empty, U(kt), m0, n0)
         maps = (x_map, w_map0, w_map1)
 
         a_even = cuda.local.array(16, uint32)  # A fragments of even / odd k tiles: the previous
@@ -333,31 +260,27 @@ def tma_gemm_kernel(n: int, k: int, tiles: TmaTile, epilogue: str, chunks: int =
         for c in range(ACCUMULATORS):
             acc[c] = float32(0)
             acc_high[c] = float32(0)
-        next_a = half2_scale(s0, s1, n0 + col_a, False, first_group)
-        next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, first_group)
-        for chunk in range(first_chunk, end_chunk):
-            for group in range(chunk * U(GROUPS) // U(CHUNKS), (chunk + U(1)) * U(GROUPS) // U(CHUNKS)):
+        next_a = half2_scale(s0, s1, n0 + col_a, False, U(0))
+        next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, U(0))
+        for chunk in range(CHUNKS):
+            for g_index in range(chunk * GROUPS // CHUNKS, (chunk + 1) * GROUPS // CHUNKS):
+                group = U(g_index)
                 scale_a, scale_b = next_a, next_b
                 if group + U(1) < U(GROUPS):  # fetched a group ahead: the loads' latency hides behind it
                     next_a = half2_scale(s0, s1, n0 + col_a, False, group + U(1))
                     next_b = half2_scale(s0, s1, n0 + col_b, GATE_UP, group + U(1))
-                kt = (group - first_group) * U(TILES_PER_GROUP)
-                step(maps, tile, ring, full, empty, kt, k0, k_tiles, m0, n0, word_a, word_b, unpack, scale_a, scale_b,
-                     a_even, acc, acc_high)
-                step(maps, tile, ring, full, empty, kt + U(1), k0, k_tiles, m0, n0, word_a, word_b, unpack, scale_a,
-                     scale_b, a_odd, acc, acc_high)
+                kt = group * U(TILES_PER_GROUP)
+                step(maps, tile, ring, full, empty, kt, m0, n0, word_a, word_b, unpack, scale_a, scale_b, a_even,
+                     acc, acc_high)
+                step(maps, tile, ring, full, empty, kt + U(1), m0, n0, word_a, word_b, unpack, scale_a, scale_b,
+                     a_odd, acc, acc_high)
             if CHUNKS > 1:  # the chunk's wgmmas done, its sums folded into the total
                 wgmma_wait_group(0)
-                if units and chunk > U(0):
-                    wait_for_chunk(counters, block, chunk)
-                fold(totals, block, acc, 0, chunk == U(0), chunk == U(CHUNKS - 1))
+                fold(totals, acc, 0, chunk == 0, chunk == CHUNKS - 1)
                 if HALVES == 2:
-                    fold(totals, block, acc_high, 1, chunk == U(0), chunk == U(CHUNKS - 1))
-                if units:
-                    pass_chunk(counters, block, chunk, CHUNKS)
-        if end_chunk == U(CHUNKS):
-            wgmma_wait_group(0)
-            store(out, bias_values, acc, acc_high, m, m0, n0, col_a, col_b, t)
+                    fold(totals, acc_high, 1, chunk == 0, chunk == CHUNKS - 1)
+        wgmma_wait_group(0)
+        store(out, bias_values, acc, acc_high, m, m0, n0, col_a, col_b, t)
 
     return tma_gemm
 
@@ -375,7 +298,6 @@ class TensorMaps:
         self.tiles, self.tokens = tiles, tiles.tokens
         self.x_maps: dict = {}
         self.totals = cuda.device_array(1, np.float32)  # read by no kernel of one K chunk
-        self.counters = cuda.to_device(np.zeros(1, np.uint32))  # read by no launch of blocks a tile
 
     def x(self, x, m: int):
         """X's map for rows [0, m) of the float16 [rows, K] buffer x: swizzled 64 k x TOKENS boxes."""
@@ -396,29 +318,10 @@ class TensorMaps:
         return self.totals
 
 
-    def unit_counters(self, tiles: int, workspace=None):
-        """The uint32 words, 0 between launches, that a unit-form launch of `tiles` block tiles
-        counts in (1 + tiles): those of `workspace` where it has enough, else this object's own."""
-        if workspace is not None and workspace.counters.size >= 1 + tiles:
-            return workspace.counters
-        if self.counters.size < 1 + tiles:
-            self.counters = cuda.to_device(np.zeros(1 + tiles, np.uint32))
-        return self.counters
-
-
-def runs_chunk_units(tiles: int, chunks: int, sms: int) -> bool:
-    """Whether a launch of `tiles` block tiles, K in `chunks` chunks, runs the unit form (a block a
-    tile and chunk): where its waves of chunks end before the tiles' waves would, ceil(tiles x chunks
-    / sms) < chunks x ceil(tiles / sms). At 7B's down_proj on 132 SMs: 224 tiles at 2048 rows, 7
-    against 8 quarter waves, the unit form; 112 tiles at 1024 rows, 4 against 4, blocks of tiles."""
-    return chunks > 1 and -(-tiles * chunks // sms) < chunks * -(-tiles // sms)
-
-
 def tma_signature(out=types.float32):
     """The Numba signature of tma_gemm_kernel's kernels, output float32 or float16."""
     maps, bits = types.uint64[::1], types.uint16[::1]
-    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1], types.float32[::1],
-                      types.uint32[::1], types.uint32)
+    return types.void(maps, types.uint32, maps, bits, maps, bits, types.float16[::1], out[::1], types.float32[::1])
 
 
 def totals_words(grid: tuple[int, int], tiles: TmaTile) -> int:

@@ -111,11 +111,7 @@ NO_TOKEN = U(0xFFFFFFFF)  # an accumulator entry of a padding token: no output w
 
 class GemmTile:
     """What the tiles of both GEMM kernels share (this one's WgmmaTile, gemm_int4_tiles.TileShape):
-    `fits`, from the tile's own `check(matrices)` and `block_n`, and the grid of blocks a tile."""
-
-    def grid(self, m: int, n: int, matrices: int) -> tuple[int, int]:
-        """(token tiles, column tiles): the blocks of a launch at M rows, a block a tile."""
-        return -(-m // self.block_m), n // (self.block_n // matrices)
+    `fits`, from the tile's own `check(matrices)` and `block_n`."""
 
     def fits(self, n: int, k: int, matrices: int) -> bool:
         """Whether this tile can compute an N x K linear (of `matrices` weight matrices)."""

@@ -10,9 +10,7 @@ in registers), under the CUDA simulator, at tiny tiles, on fresh random inputs:
   lands its bytes later, so a stage read before its `full` phase holds the previous tile), or rows
   past M not zero-filled all change it;
 - Gaussian operands: the cp.async kernel (gemm_int4_wgmma.py) on the same tile shape and K chunks
-  gives the same bits (the same products summed in the same order), which the prefix cache needs;
-  so does the TMA kernel's unit form, a block a (tile, K chunk), whose chunks fold in order through
-  counters that a second launch finds back at zero.
+  gives the same bits (the same products summed in the same order), which the prefix cache needs.
 """
 
 import numpy as np
@@ -21,7 +19,7 @@ from numba import cuda
 
 from gemm_wgmma_tma import TmaGemm
 from pynanoqwen.kernels.gemm_int4 import make_gate_up_silu_gemm, make_gemm_int4
-from pynanoqwen.kernels.gemm_int4_tma import TmaTile, runs_chunk_units
+from pynanoqwen.kernels.gemm_int4_tma import TmaTile
 from pynanoqwen.kernels.gemm_int4_wgmma import WgmmaTile
 from pynanoqwen.ptx import SIMULATOR
 from test_gemm_sim import EXTRA_ROWS, U16, U32, exact_activations, exact_linear
@@ -47,9 +45,6 @@ CASES = [  # (epilogue, m, n, k, tiles, K chunks, lane_lag: None for dev's produ
 CASES += [  # the product's K chunks, their running totals in a workspace (gemm_int4_tma.py, "K chunks")
     ("residual", 70, 64, 512, ONE_WARPGROUP, 2, PRODUCT),  # 2 token blocks: each its own workspace words
     ("plain", 20, 128, 640, TWO_WARPGROUPS, 3, PRODUCT),  # 3 chunks: stored, added to, read back
-    # The unit form, a block a (tile, K chunk) (gemm_int4_tma.runs_chunk_units on the simulator's 2 SMs):
-    ("residual", 150, 64, 512, ONE_WARPGROUP, 2, PRODUCT),  # 3 tiles x 2 chunks
-    ("plain", 150, 128, 640, TWO_WARPGROUPS, 3, PRODUCT),  # 3 tiles x 3 chunks: a middle chunk's fold
 ]
 IDS = [f"{e}-m{m}-n{n}-k{k}-wg{t.warpgroups}-s{t.stages}-c{c}-" + ('warp' if lag is None else f'lag{lag}')
        for e, m, n, k, t, c, lag in CASES]
@@ -124,26 +119,3 @@ def test_tma_gemm_gives_the_products_bits(epilogue, m, n, k, tiles, chunks, lane
     out = rng.standard_normal((m + EXTRA_ROWS, n)).astype(np.float16 if epilogue == "gate_up_silu" else np.float32)
     tma, product = launch_both(epilogue, m, n, k, tiles, chunks, lane_lag, weights, x, out, bias)
     assert np.array_equal(tma, product, equal_nan=True)
-
-
-def test_the_unit_form_runs_again_with_the_same_bits_and_its_counters_back_at_zero():
-    """Two launches of one GEMM object in the unit form: the second finds the ticket and every
-    tile's chunk count at zero (else its blocks would take no unit or wait forever), gives the
-    first's bits, and leaves them at zero again."""
-    from pynanoqwen.device import SIMULATED_SM_COUNT
-
-    m, n, k, chunks, tiles = 150, 64, 512, 2, TmaTile(1, 64, 3)
-    assert runs_chunk_units(-(-m // tiles.tokens) * (n // tiles.block_n), chunks, SIMULATED_SM_COUNT)
-    rng = np.random.default_rng()
-    q = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
-    s = rng.uniform(0.005, 0.5, size=(n, k // 128)).astype(np.float16)
-    x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
-    gemm = make_gemm_int4(n, k, q, s, tiles=tiles, chunks=chunks)
-    results = []
-    for _ in range(2):
-        out = cuda.to_device(np.full((m, n), np.nan, np.float32))
-        gemm.launch(0, x, out, m)
-        results.append(out.copy_to_host())
-        assert not gemm.tiling.tensor_maps[tiles].counters.copy_to_host().any()
-    assert not np.isnan(results[0]).any()
-    assert np.array_equal(results[0], results[1])
