@@ -15,7 +15,7 @@ num_splits is fixed when the kernel is built (default: the GPU's SMs // num_kv_h
 132 blocks on an H200), because the launch is frozen in a CUDA graph and must serve every context
 length; the kernel reads pos from device memory and works out its own page range.
 
-Why the tensor cores. The group's query heads are the rows of one 16-row mma tile (rows >= group
+Why the tensor cores. The group's query heads are the rows of one 16-row mma tile (rows group..7
 are zero), so one warp turns a 16-key page into the 16 x 16 scores S = Q K^T with
 `mma.sync.m16n8k16` (2 key n tiles x head_dim / 16 k steps) and adds P V for all heads at once
 (head_dim / 8 n tiles). Each K/V element is read from shared memory once per block, by
@@ -24,7 +24,11 @@ per page per head (a 16-wide warp_sum per key) and ran issue-bound at 2-16% of b
 (docs/PERFORMANCE.md). Precision is that of float32 arithmetic: q (float32, pre-scaled by
 log2(e) / sqrt(head_dim), so exp2 gives the weights) and the weights P are each split into an FP16
 high part and an FP16 remainder, and both halves go through the mma, whose products are exact and
-whose sums are float32; the result is rounded once, to FP16, at the end.
+whose sums are float32; the result is rounded once, to FP16, at the end. The tile's empty rows
+8..15 carry q's remainder through S = Q K^T, so one mma takes both of q's parts (D's rows are
+independent: the same bits as a second mma, measured on an H100, docs/PERFORMANCE.md); P V keeps
+a mma a part of P, since packing it there too adds a float32 rounding a page and saved
+at most 0.2 us a launch.
 
 Inside a block (warp specialisation):
 - the producer warp (the last; its lane 0) streams the split's pages into a ring of STAGES pages:
@@ -60,7 +64,7 @@ consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B):
 Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
 DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
 512, 8 MiB at 4096, 64 MiB at 32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us. Per page a consumer
-issues 16 ldmatrix.x4, 64 mma (hi and lo halves), ~60 softmax instructions and 32 FMULs of
+issues 16 ldmatrix.x4, 48 mma (16 for S, 32 for P V's two parts), ~60 softmax instructions and 32 FMULs of
 rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
 of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
@@ -168,7 +172,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
     Q_SCALE = np.float32(math.log2(math.e) / math.sqrt(head_dim))
     NEG_INF = np.float32(-np.inf)
     ZERO = np.float32(0.0)
-    NONE = U(0)  # a zero half2: the A rows 8..15 of every mma (no query head there)
+    NONE = U(0)  # a zero half2: the A rows 8..15 of P V's mma (no query head there)
 
     @cuda.jit(device=True, inline="always")
     def split_hi_lo(x0, x1):
@@ -249,7 +253,7 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                            num_pages, i, lane)
         else:
             # A fragments of Q, row gid = query head kv_head * GROUP + gid, k step kk: register
-            # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1 (rows gid + 8 are zero).
+            # 2 kk + side holds dims 16 kk + 8 side + 2 tq, +1; q_lo goes in as rows gid + 8.
             head = kv_head * GROUP + gid
             q_hi = cuda.local.array(Q_WORDS, types.uint32)
             q_lo = cuda.local.array(Q_WORDS, types.uint32)
@@ -283,19 +287,18 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                 # stored at that ^ r: kernels/kv_layout.py): matrices 0, 1 are b0, b1 of k step
                 # 2 kk2, matrices 2, 3 those of k step 2 kk2 + 1.
                 for j in range(2):
-                    # The high and low parts of q accumulate in two chains (half the dependent mma
-                    # latency), summed at the end.
+                    # q's high part in A rows gid, its remainder in rows gid + 8: one mma chain whose D
+                    # rows gid (c0, c1) are the high part's sums and rows gid + 8 (d0, d1) the
+                    # remainder's, summed at the end. A row of D depends on its own row of A alone, so
+                    # this has the bits of two chains, one a part, at half the mma.
                     c0, c1, d0, d1 = ZERO, ZERO, ZERO, ZERO
                     for kk2 in range(DIM_STEPS // 2):
                         b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
                                                      + 4 * ((4 * kk2 + lane // 8) ^ (lane % SWIZZLE_ROWS)))
                         a = 4 * kk2
-                        c0, c1, _, _ = mma_m16n8k16(q_hi[a], NONE, q_hi[a + 1], NONE, b0, b1, c0, c1, ZERO, ZERO)
-                        d0, d1, _, _ = mma_m16n8k16(q_lo[a], NONE, q_lo[a + 1], NONE, b0, b1, d0, d1, ZERO, ZERO)
-                        c0, c1, _, _ = mma_m16n8k16(q_hi[a + 2], NONE, q_hi[a + 3], NONE, b2, b3, c0, c1, ZERO,
-                                                    ZERO)
-                        d0, d1, _, _ = mma_m16n8k16(q_lo[a + 2], NONE, q_lo[a + 3], NONE, b2, b3, d0, d1, ZERO,
-                                                    ZERO)
+                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a], q_lo[a], q_hi[a + 1], q_lo[a + 1], b0, b1, c0, c1, d0, d1)
+                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a + 2], q_lo[a + 2], q_hi[a + 3], q_lo[a + 3], b2, b3, c0, c1,
+                                                      d0, d1)
                     s[2 * j], s[2 * j + 1] = c0 + d0, c1 + d1
                 # Keys past the context (the tail of the last page): scores -inf, weights 0.
                 if valid < PAGE_SIZE:
