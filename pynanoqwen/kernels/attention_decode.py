@@ -27,8 +27,8 @@ high part and an FP16 remainder, and both halves go through the mma, whose produ
 whose sums are float32; the result is rounded once, to FP16, at the end. The tile's empty rows
 8..15 carry q's remainder through S = Q K^T, so one mma takes both of q's parts (D's rows are
 independent: the same bits as a second mma, measured on an H100, docs/PERFORMANCE.md); P V keeps
-a mma a part of P, since packing it there too adds a float32 rounding a page and saved
-at most 0.2 us a launch.
+a mma a part of P, since packing it there too adds a float32 rounding a page and saved at most
+0.2 us a launch.
 
 Inside a block (warp specialisation):
 - the producer warp (the last; its lane 0) streams the split's pages into a ring of STAGES pages:
@@ -64,9 +64,9 @@ consumers' partials (CONSUMERS x group x (head_dim + 2) floats, 14.4 KiB at 7B):
 Cost model (predicted; dev/attention_splits.py measures, docs/PERFORMANCE.md has the figures).
 DRAM: K + V of the context, 2 x ctx x num_kv_heads x head_dim x 2 B: at 7B 1 MiB per layer at ctx
 512, 8 MiB at 4096, 64 MiB at 32768; at 4.3 TB/s 0.24 us, 2.0 us and 15.6 us. Per page a consumer
-issues 16 ldmatrix.x4, 48 mma (16 for S, 32 for P V's two parts), ~60 softmax instructions and 32 FMULs of
-rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one SM's share
-of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
+issues 16 ldmatrix.x4, 48 mma (16 for S, 32 for P V's two parts), ~60 softmax instructions and 32
+FMULs of rescaling: a few hundred cycles, while a page takes ~500 cycles to arrive through one
+SM's share of the bandwidth, so long contexts are bandwidth-bound. Short ones are latency: one DRAM round
 trip for the pages, the partial write, fence and atomic, and one round of merge loads: ~3 us.
 Measured (docs/PERFORMANCE.md): a page costs a consumer ~1.3 us, and a short launch 7.1 us at 16
 tokens (8.0 at 545), of which the cross-block merge is still the largest part: from the consumers'
@@ -296,9 +296,10 @@ def _build_kernel(num_heads, num_kv_heads, head_dim, num_splits, stages, consume
                         b0, b1, b2, b3 = ldmatrix_x4(words, K_RING + base + (8 * j + lane % 8) * SMEM_ROW_WORDS
                                                      + 4 * ((4 * kk2 + lane // 8) ^ (lane % SWIZZLE_ROWS)))
                         a = 4 * kk2
-                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a], q_lo[a], q_hi[a + 1], q_lo[a + 1], b0, b1, c0, c1, d0, d1)
-                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a + 2], q_lo[a + 2], q_hi[a + 3], q_lo[a + 3], b2, b3, c0, c1,
+                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a], q_lo[a], q_hi[a + 1], q_lo[a + 1], b0, b1, c0, c1,
                                                       d0, d1)
+                        c0, c1, d0, d1 = mma_m16n8k16(q_hi[a + 2], q_lo[a + 2], q_hi[a + 3], q_lo[a + 3], b2, b3,
+                                                      c0, c1, d0, d1)
                     s[2 * j], s[2 * j + 1] = c0 + d0, c1 + d1
                 # Keys past the context (the tail of the last page): scores -inf, weights 0.
                 if valid < PAGE_SIZE:
