@@ -40,9 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
-                     time_decode_attention, variant_compile_target)
-from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+from harness import (check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
+                     seven_b_attention, time_decode_attention, variant_compile_target)
 
 CLUSTER = 8  # blocks a cluster: the portable maximum
 NUM_SPLITS = 32  # splits a KV head: a multiple of CLUSTER (the product's 7B default is 33)
@@ -209,11 +208,8 @@ def load_variant(cluster: int = CLUSTER):
 
 def builders() -> dict:
     """name -> build(max_pages): the product's kernel and the variant."""
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    variant = load_variant()
-    return {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages),
-            "cluster merge": lambda max_pages: variant.make_decode_attention(heads, kv_heads, head_dim, max_pages,
-                                                                             num_splits=NUM_SPLITS)}
+    return {"product": seven_b_attention(),
+            "cluster merge": seven_b_attention(load_variant(), num_splits=NUM_SPLITS)}
 
 
 def check(rng):

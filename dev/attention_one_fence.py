@@ -31,8 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
-                     time_decode_attention, variant_compile_target)
-from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+                     seven_b_attention, time_decode_attention, variant_compile_target)
 
 E8, E12 = " " * 8, " " * 12
 EDITS = [(
@@ -66,10 +65,7 @@ def load_variant():
 
 def builders() -> dict:
     """name -> build(max_pages): the product's kernel and the variant."""
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    variant = load_variant()
-    return {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages),
-            "one fence": lambda max_pages: variant.make_decode_attention(heads, kv_heads, head_dim, max_pages)}
+    return {"product": seven_b_attention(), "one fence": seven_b_attention(load_variant())}
 
 
 def check(rng):

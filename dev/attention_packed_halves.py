@@ -33,8 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
-                     time_decode_attention, variant_compile_target)
-from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+                     seven_b_attention, time_decode_attention, variant_compile_target)
 
 E20 = " " * 20
 PV_EDIT = (
@@ -64,13 +63,9 @@ def load_variant():
 def builders() -> dict:
     """name -> build(max_pages): the product's kernel, the packed form, and the packed form at two
     blocks a SM (twice the splits, half the ring each)."""
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
     packed = load_variant()
-    splits = 2 * packed.default_num_splits(kv_heads)
-    return {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages),
-            "packed": lambda max_pages: packed.make_decode_attention(heads, kv_heads, head_dim, max_pages),
-            "packed, 2 blocks a SM": lambda max_pages: packed.make_decode_attention(
-                heads, kv_heads, head_dim, max_pages, num_splits=splits, stages=packed.STAGES // 2)}
+    return {"product": seven_b_attention(), "packed": seven_b_attention(packed),
+            "packed, 2 blocks a SM": seven_b_attention(packed, two_blocks_a_sm=True)}
 
 
 def check(rng):

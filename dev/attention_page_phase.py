@@ -30,8 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (SEVEN_B, check_decode_attention, edited_kernel_source, load_source,  # noqa: E402
-                     time_decode_attention, variant_compile_target)
-from pynanoqwen.kernels.attention_decode import make_decode_attention  # noqa: E402
+                     seven_b_attention, time_decode_attention, variant_compile_target)
 
 E16 = " " * 16
 RELEASE = E16 + "mbarrier_arrive(empty, stage)  # this lane's reads of the stage are done\n"
@@ -49,23 +48,15 @@ def load_variant(form: str):
 
 def builders() -> dict:
     """name -> build(max_pages): the product and the forms that leave work out."""
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    made = {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages)}
-    for form in FORMS:
-        module = load_variant(form)
-        made[form] = lambda max_pages, m=module: m.make_decode_attention(heads, kv_heads, head_dim, max_pages)
-    copies = load_variant("copies only")
-    splits = 2 * copies.default_num_splits(kv_heads)
-    made["copies only, 2 blocks a SM"] = lambda max_pages: copies.make_decode_attention(
-        heads, kv_heads, head_dim, max_pages, num_splits=splits, stages=copies.STAGES // 2)
+    made = {"product": seven_b_attention()}
+    made.update({form: seven_b_attention(load_variant(form)) for form in FORMS})
+    made["copies only, 2 blocks a SM"] = seven_b_attention(load_variant("copies only"), two_blocks_a_sm=True)
     return made
 
 
 def check(rng):
     """The product alone (the other forms compute something else on purpose), launched twice."""
-    heads, kv_heads, head_dim = SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim
-    product = {"product": lambda max_pages: make_decode_attention(heads, kv_heads, head_dim, max_pages)}
-    return check_decode_attention(product, (545, 32768), rng, launches=2)
+    return check_decode_attention({"product": seven_b_attention()}, (545, 32768), rng, launches=2)
 
 
 def timings() -> list[dict]:

@@ -1,5 +1,5 @@
 """What the dev/ scripts share: random INT4 weights, a float64 check of a GEMM, and its timing;
-decode attention's inputs at 7B shapes, its float64 check and its timing.
+decode attention at 7B shapes: its kernels built, its inputs, its float64 check and its timing.
 
 Weights are random (speed does not depend on values); the timing rotates enough weight copies
 that together they exceed the L2 twice, so every call reads its weights from HBM, as a prefill
@@ -106,6 +106,22 @@ def attention_inputs(rng, contexts: list[int], layers: int):
     page_table = cuda.to_device(rng.permutation(max_pages).astype(np.int32))
     q = cuda.to_device((3 * rng.standard_normal((SEVEN_B.num_heads, SEVEN_B.head_dim))).astype(np.float32))
     return max_pages, pools, page_table, q
+
+
+def seven_b_attention(module=None, two_blocks_a_sm: bool = False, **options):
+    """build(max_pages) for the decode-attention kernel of `module` (a variant loaded with
+    load_source; the product's kernels/attention_decode.py when None) at 7B shapes. two_blocks_a_sm
+    doubles the default splits and halves the ring, so two blocks share each SM's shared memory."""
+    if module is None:
+        from pynanoqwen.kernels import attention_decode as module
+    shape = (SEVEN_B.num_heads, SEVEN_B.num_kv_heads, SEVEN_B.head_dim)
+
+    def build(max_pages):
+        doubled = ({"num_splits": 2 * module.default_num_splits(SEVEN_B.num_kv_heads), "stages": module.STAGES // 2}
+                   if two_blocks_a_sm else {})  # the SM count is asked for here, on the GPU
+        return module.make_decode_attention(*shape, max_pages, **{**doubled, **options})
+
+    return build
 
 
 def check_decode_attention(builders: dict, contexts: tuple[int, ...], rng, launches: int = 1) -> list[Check]:
