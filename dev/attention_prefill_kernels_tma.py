@@ -23,6 +23,9 @@ edits of its source (harness.edited_kernel_source), so the two give the same bit
 Counted, not measured: the product's tile loop is 1082 PTX instructions a warp (dev/ptx_loop_mix.py),
 of which the copies' ~16 cp.async, their lookups and addresses are ~150-200; here a warp's share of a
 tile is an mbarrier wait and an arrive, and warp 0's thread 0 adds ~60 for the 16 boxes.
+Measured (H100, docs/PERFORMANCE.md, 2026-12-07 late night): bit for bit the product's, and slower:
+3917.2 (3 stages) and 3789.3 us (4) against 3111.9 for a 2048-row chunk at 29952, 22.0 against 19.9
+at 512 rows, so the copies' bookkeeping is not what the product's warps wait on.
 
     python dev/attention_prefill_kernels_tma.py     # 7B: float64 checks, bits against the product, us a layer
 """
