@@ -27,8 +27,8 @@ high part and an FP16 remainder, and both halves go through the mma, whose produ
 whose sums are float32; the result is rounded once, to FP16, at the end. The tile's empty rows
 8..15 carry q's remainder through S = Q K^T, so one mma takes both of q's parts (D's rows are
 independent: the same bits as a second mma, measured on an H100, docs/PERFORMANCE.md); P V keeps
-a mma a part of P, since packing it there too adds a float32 rounding a page and saved at most
-0.2 us a launch.
+a mma a part of P, since packing it there too adds a float32 rounding a page and saves at most
+0.1 us a launch on top of the packed S (H100, docs/PERFORMANCE.md).
 
 Inside a block (warp specialisation):
 - the producer warp (the last; its lane 0) streams the split's pages into a ring of STAGES pages:
