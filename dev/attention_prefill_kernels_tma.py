@@ -170,11 +170,16 @@ def kernels_source(stages: int = STAGES) -> str:
 def load_kernels_module(stages: int = STAGES):
     """The edited kernels module with `stages` stages, imported from its source."""
     import importlib.util
+    import os
     import tempfile
 
     name = f"attention_prefill_kernels_tma_{stages}_stages"
     path = Path(tempfile.gettempdir()) / f"{name}.py"
-    path.write_text(kernels_source(stages))
+    # Written aside and renamed into place: pytest's workers load the module at once, and one
+    # truncating the file while another imports it left that one without build_kernels.
+    partial = path.with_suffix(f".{os.getpid()}.part")
+    partial.write_text(kernels_source(stages))
+    os.replace(partial, path)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
